@@ -1,0 +1,3 @@
+from mage_gen.cli import main
+
+main()

@@ -1,0 +1,140 @@
+"""What a compiled variant is made of, read from ptxas's report and the PTX alone: no GPU needed.
+
+Memory instructions written from templates carry a `// tensor=NAME[.passK][.tail]` comment (see
+templates/ptx.j2), so loads and stores are counted per tensor and per pass over it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+from mage_gen.compile import Compiled
+
+_WIDTHS = {"v2": "v2", "v4": "v4", "v8": "v8"}
+_RESOURCE_PATTERNS = {
+    "registers": r"Used (\d+) registers",
+    "barriers": r"used (\d+) barriers",
+    "shared_bytes": r"(\d+) bytes smem",
+    "stack_bytes": r"(\d+) bytes stack frame",
+    "spill_store_bytes": r"(\d+) bytes spill stores",
+    "spill_load_bytes": r"(\d+) bytes spill loads",
+}
+_TAG = re.compile(r"//\s*tensor=([\w.]+)")
+_GUARD = re.compile(r"^@!?%\w+\s+")
+
+
+@dataclass(frozen=True)
+class Census:
+    registers: int
+    barriers: int  # named barriers ptxas allots
+    shared_bytes: int  # static shared memory
+    stack_bytes: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+    # tensor -> access width ('scalar' | 'v2' | 'v4') -> instructions in the PTX; untagged accesses under '?'
+    global_loads: dict[str, dict[str, int]] = field(default_factory=dict)
+    global_stores: dict[str, dict[str, int]] = field(default_factory=dict)
+    # tensor -> pass numbers that load it (a register-resident kernel reads its input in one pass)
+    load_passes: dict[str, list[int]] = field(default_factory=dict)
+    shared_loads: int = 0
+    shared_stores: int = 0
+    cp_async: dict[int, int] = field(default_factory=dict)  # bytes per copy -> instructions
+    commit_groups: int = 0
+    wait_groups: dict[int, int] = field(default_factory=dict)  # N of wait_group N -> instructions
+    bar_sync: int = 0
+    shfl_sync: int = 0
+    rsqrt_approx: int = 0
+
+    @property
+    def spill_bytes(self) -> int:
+        return self.spill_store_bytes + self.spill_load_bytes
+
+    def passes_over(self, tensor: str) -> int:
+        return len(self.load_passes.get(tensor, []))
+
+    def loads_of(self, tensor: str, width: str | None = None, tail: bool | None = None) -> int:
+        """Load instructions of a tensor, optionally of one width, and on (tail=True) or off the tail path."""
+        return _count(self.global_loads, tensor, width, tail)
+
+    def stores_of(self, tensor: str, width: str | None = None, tail: bool | None = None) -> int:
+        return _count(self.global_stores, tensor, width, tail)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["spill_bytes"] = self.spill_bytes
+        out["passes"] = {tensor: len(passes) for tensor, passes in self.load_passes.items()}
+        return out
+
+
+def _count(table: dict[str, dict[str, int]], tensor: str, width: str | None, tail: bool | None) -> int:
+    total = 0
+    for tag, widths in table.items():
+        parts = tag.split(".")
+        if parts[0] != tensor or (tail is not None and ("tail" in parts) != tail):
+            continue
+        total += sum(n for w, n in widths.items() if width is None or w == width)
+    return total
+
+
+def _resource(log: str, pattern: str) -> int:
+    match = re.search(pattern, log)
+    return int(match.group(1)) if match else 0
+
+
+def _width(parts: list[str]) -> str:
+    return next((_WIDTHS[p] for p in parts if p in _WIDTHS), "scalar")
+
+
+def _pass(tag: str) -> int:
+    found = re.search(r"\.pass(\d+)", tag)
+    return int(found.group(1)) if found else 1
+
+
+def take_census(compiled: Compiled) -> Census:
+    log = compiled.log
+    loads: dict[str, Counter] = {}
+    stores: dict[str, Counter] = {}
+    passes: dict[str, set[int]] = {}
+    counts: Counter = Counter()
+    cp_async: Counter = Counter()
+    waits: Counter = Counter()
+    for raw in compiled.ptx.splitlines():
+        line = _GUARD.sub("", raw.strip())
+        if not line or line.startswith("//") or line.startswith("."):
+            continue
+        opcode = line.split(None, 1)[0].rstrip(";")
+        parts = opcode.split(".")
+        tag_match = _TAG.search(line)
+        tag = tag_match.group(1) if tag_match else "?"
+        head = parts[0]
+        if head in ("ld", "st") and "global" in parts:
+            table = loads if head == "ld" else stores
+            table.setdefault(tag, Counter())[_width(parts)] += 1
+            if head == "ld":
+                passes.setdefault(tag.split(".")[0], set()).add(_pass(tag))
+        elif head in ("ld", "st") and "shared" in parts:
+            counts["shared_loads" if head == "ld" else "shared_stores"] += 1
+        elif opcode.startswith("cp.async.commit_group"):
+            counts["commit_groups"] += 1
+        elif opcode.startswith("cp.async.wait_group"):
+            waits[int(line.split()[1].rstrip(";"))] += 1
+        elif opcode.startswith("cp.async.") and "shared" in parts:
+            cp_async[int(line.rstrip(";").split(",")[2].strip().split()[0].rstrip(";"))] += 1
+        elif opcode.startswith("bar.sync") or opcode.startswith("barrier.sync"):
+            counts["bar_sync"] += 1
+        elif opcode.startswith("shfl.sync"):
+            counts["shfl_sync"] += 1
+        elif opcode.startswith("rsqrt.approx"):
+            counts["rsqrt_approx"] += 1
+    return Census(
+        **{name: _resource(log, pattern) for name, pattern in _RESOURCE_PATTERNS.items()},
+        global_loads={k: dict(v) for k, v in sorted(loads.items())},
+        global_stores={k: dict(v) for k, v in sorted(stores.items())},
+        load_passes={k: sorted(v) for k, v in sorted(passes.items())},
+        shared_loads=counts["shared_loads"], shared_stores=counts["shared_stores"],
+        cp_async=dict(sorted(cp_async.items())), commit_groups=counts["commit_groups"],
+        wait_groups=dict(sorted(waits.items())), bar_sync=counts["bar_sync"],
+        shfl_sync=counts["shfl_sync"], rsqrt_approx=counts["rsqrt_approx"],
+    )

@@ -1,0 +1,131 @@
+"""NVRTC: CUDA C++ source → PTX and cubin for one architecture, cached on disk by content."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import platformdirs
+from cuda.bindings import nvrtc
+
+from mage_gen.errors import CompileError, ConfigError
+from mage_gen.render import Source
+
+DEFAULT_ARCH = "sm_90"
+# Bumped whenever what a cache entry holds, or how it is made, changes.
+_CACHE_FORMAT = "1"
+
+
+@dataclass(frozen=True)
+class Compiled:
+    kernel_name: str
+    arch: str
+    ptx: str
+    cubin: bytes
+    log: str  # NVRTC's log with ptxas -v resource lines
+    key: str
+    from_cache: bool = False
+
+
+def nvrtc_version() -> str:
+    err, major, minor = nvrtc.nvrtcVersion()
+    _check(err, "nvrtcVersion")
+    return f"{major}.{minor}"
+
+
+@cache
+def supported_archs() -> tuple[str, ...]:
+    err, archs = nvrtc.nvrtcGetSupportedArchs()
+    _check(err, "nvrtcGetSupportedArchs")
+    return tuple(f"sm_{a}" for a in archs)
+
+
+def check_arch(arch: str) -> str:
+    if not re.fullmatch(r"sm_\d+a?", arch) or arch.rstrip("a") not in supported_archs():
+        raise ConfigError(f"arch: {arch!r} is not an architecture NVRTC {nvrtc_version()} builds for; "
+                          f"use one of {', '.join(supported_archs())}")
+    return arch
+
+
+def options(arch: str) -> list[str]:
+    # -Xptxas=-v puts registers, shared memory, stack and spills into the log for the census.
+    return [f"-arch={arch}", "--std=c++17", "-Xptxas=-v"]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MAGE_GEN_CACHE") or platformdirs.user_cache_dir("mage-gen")) / "nvrtc"
+
+
+def cache_key(source: Source, arch: str) -> str:
+    digest = hashlib.sha256()
+    for part in (_CACHE_FORMAT, nvrtc_version(), " ".join(options(arch)), source.kernel_name, source.text):
+        digest.update(part.encode() + b"\0")
+    return digest.hexdigest()
+
+
+def compile_source(source: Source, arch: str = DEFAULT_ARCH) -> Compiled:
+    check_arch(arch)
+    key = cache_key(source, arch)
+    entry = cache_dir() / key[:2] / key
+    if (entry / "kernel.cubin").is_file():
+        return Compiled(kernel_name=source.kernel_name, arch=arch, ptx=(entry / "kernel.ptx").read_text(),
+                        cubin=(entry / "kernel.cubin").read_bytes(), log=(entry / "ptxas.log").read_text(),
+                        key=key, from_cache=True)
+    ptx, cubin, log = _nvrtc(source, arch)
+    _store(entry, ptx, cubin, log)
+    return Compiled(kernel_name=source.kernel_name, arch=arch, ptx=ptx, cubin=cubin, log=log, key=key)
+
+
+def _store(entry: Path, ptx: str, cubin: bytes, log: str) -> None:
+    """Write the entry in a scratch folder, then rename it into place: readers see all of it or none."""
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=".tmp-", dir=entry.parent))
+    try:
+        (scratch / "kernel.ptx").write_text(ptx)
+        (scratch / "ptxas.log").write_text(log)
+        (scratch / "kernel.cubin").write_bytes(cubin)
+        os.rename(scratch, entry)
+    except OSError:
+        if not (entry / "kernel.cubin").is_file():  # another process may have won the race; that is fine
+            raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _check(err: nvrtc.nvrtcResult, call: str) -> None:
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise CompileError(f"{call} failed: {err.name}")
+
+
+def _nvrtc(source: Source, arch: str) -> tuple[str, bytes, str]:
+    err, prog = nvrtc.nvrtcCreateProgram(source.text.encode(), f"{source.kernel_name}.cu".encode(), 0, [], [])
+    _check(err, "nvrtcCreateProgram")
+    try:
+        opts = [o.encode() for o in options(arch)]
+        (compile_err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        err, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        _check(err, "nvrtcGetProgramLogSize")
+        log_buf = b" " * size
+        (err,) = nvrtc.nvrtcGetProgramLog(prog, log_buf)
+        log = log_buf.rstrip(b"\0 ").decode(errors="replace")
+        if compile_err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise CompileError(f"NVRTC could not compile {source.kernel_name} ({compile_err.name}):\n{log}")
+        err, size = nvrtc.nvrtcGetPTXSize(prog)
+        _check(err, "nvrtcGetPTXSize")
+        ptx_buf = b" " * size
+        (err,) = nvrtc.nvrtcGetPTX(prog, ptx_buf)
+        _check(err, "nvrtcGetPTX")
+        err, size = nvrtc.nvrtcGetCUBINSize(prog)
+        _check(err, "nvrtcGetCUBINSize")
+        cubin = b" " * size
+        (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
+        _check(err, "nvrtcGetCUBIN")
+        return ptx_buf.rstrip(b"\0").decode(), cubin, log
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)

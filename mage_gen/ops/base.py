@@ -1,0 +1,50 @@
+"""What every op family provides. An op knows nothing of Optuna, NVRTC or the driver."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from mage_gen.render import Source
+
+
+@dataclass(frozen=True)
+class Launch:
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    dynamic_shared_bytes: int
+    static_shared_bytes: int  # what ptxas must report; the census test holds the template to it
+
+    @property
+    def threads(self) -> int:
+        return self.block[0] * self.block[1] * self.block[2]
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One kernel parameter, in launch order. kind: 'out' | 'in' (float32 buffers), 'i32', 'f32'."""
+
+    name: str
+    kind: str
+
+
+class Op(Protocol):
+    name: str
+    tolerance: float  # largest accepted ‖out − ref‖ / ‖ref‖
+    params_type: type
+    shape_dims: tuple[str, ...]  # what the kernel is generated for, e.g. ('d',)
+    run_dims: tuple[str, ...]  # sizes given at launch, e.g. ('m',)
+    args: tuple[Arg, ...]
+
+    def shape(self, **dims: int) -> Any: ...
+    def validate(self, shape: Any, params: Any) -> None: ...
+    def source(self, shape: Any, params: Any) -> Source: ...
+    def geometry(self, shape: Any, params: Any, run: dict[str, int]) -> Launch: ...
+    def make_inputs(self, shape: Any, run: dict[str, int], rng: np.random.Generator) -> dict[str, np.ndarray]: ...
+    def output_shapes(self, shape: Any, run: dict[str, int]) -> dict[str, tuple[int, ...]]: ...
+    def scalars(self, shape: Any, run: dict[str, int]) -> dict[str, int | float]: ...
+    def reference(self, shape: Any, inputs: dict[str, np.ndarray], scalars: dict[str, int | float]) -> dict[str, np.ndarray]: ...
+    def gate_runs(self, shape: Any, run: dict[str, int]) -> list[dict[str, int]]: ...
+    def params_from_dict(self, values: dict[str, Any]) -> Any: ...

@@ -1,0 +1,194 @@
+"""Layer norm, fp32, row-major M×d: y = (x − mean)·rstd·w + b with rstd = 1/sqrt(var + eps).
+
+d is fixed when the kernel is generated; M is given at launch. Templates:
+  row       one block of T threads per row, the row held in registers and read once;
+  multirow  R rows per block, T threads per row (a warp per row needs no barrier at all);
+  wide      rows too wide for registers: loop over the row twice (Chan-merged statistics, then output).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from mage_gen.errors import ConfigError
+from mage_gen.ops.base import Arg, Launch
+from mage_gen.render import Source, render
+
+TEMPLATES = ("row", "multirow", "wide")
+VECTOR_WIDTHS = (1, 2, 4)
+RSQRT_MODES = ("approx", "exact")
+HINTS = ("none", "nc", "stream")
+MAX_D = 1 << 20
+MAX_VALUES_PER_THREAD = 64  # floats of one row a thread may hold; beyond it ptxas starts to spill
+_TEMPLATE_FILES = {"row": "layernorm/resident.cu.j2", "multirow": "layernorm/resident.cu.j2",
+                   "wide": "layernorm/wide.cu.j2"}
+# (x loads, y stores, w/b loads) for each hint
+_HINT_SUFFIXES = {"none": ("", "", ""), "nc": ("nc", "", "nc"), "stream": ("nc_na", "cs", "nc")}
+
+
+@dataclass(frozen=True)
+class Shape:
+    d: int
+
+
+@dataclass(frozen=True)
+class Params:
+    template: str = "row"
+    threads: int = 128  # threads per row
+    vector: int = 4  # floats per global access
+    rows_per_block: int = 1
+    rsqrt: str = "approx"
+    hint: str = "nc"  # none: plain loads; nc: read-only path; stream: x not kept in L1, y evict-first
+
+    def label(self) -> str:
+        return (f"{self.template} T{self.threads} V{self.vector} R{self.rows_per_block} "
+                f"{self.rsqrt} {self.hint}")
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+class LayerNorm:
+    name = "layernorm"
+    tolerance = 1e-5
+    params_type = Params
+    shape_dims = ("d",)
+    run_dims = ("m",)
+    args = (Arg("y", "out"), Arg("x", "in"), Arg("w", "in"), Arg("b", "in"), Arg("M", "i32"),
+            Arg("eps", "f32"))
+    eps = 1e-5
+
+    # ---- shapes and params ----
+    def shape(self, **dims: int) -> Shape:
+        d = dims.get("d")
+        if not isinstance(d, int) or isinstance(d, bool):
+            raise ConfigError(f"d-range: d must be a whole number, got {d!r}")
+        if not 1 <= d <= MAX_D:
+            raise ConfigError(f"d-range: d={d} is outside 1..{MAX_D}; give the row length as --d")
+        return Shape(d)
+
+    def params_from_dict(self, values: dict[str, Any]) -> Params:
+        known = {f.name for f in fields(Params)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"params: unknown layernorm parameter(s) {unknown}; known: {sorted(known)}")
+        return Params(**values)
+
+    def params_to_dict(self, params: Params) -> dict[str, Any]:
+        return asdict(params)
+
+    def validate(self, shape: Shape, p: Params) -> None:
+        d, t, v = shape.d, p.threads, p.vector
+        if p.template not in TEMPLATES:
+            raise ConfigError(f"template: unknown layernorm template {p.template!r}; use one of {', '.join(TEMPLATES)}")
+        if not isinstance(t, int) or t % 32:
+            raise ConfigError(f"threads-multiple-of-32: threads per row must be a multiple of 32, got {t}")
+        if not 32 <= t <= 1024:
+            raise ConfigError(f"threads-range: threads per row must be 32..1024, got {t}")
+        if v not in VECTOR_WIDTHS:
+            raise ConfigError(f"vector-width: vector must be one of {VECTOR_WIDTHS} floats, got {v}")
+        if v > d:
+            raise ConfigError(f"vector-width: vector={v} is wider than the row (d={d}); use vector 1")
+        if p.rsqrt not in RSQRT_MODES:
+            raise ConfigError(f"rsqrt: rsqrt must be one of {RSQRT_MODES}, got {p.rsqrt!r}")
+        if p.hint not in HINTS:
+            raise ConfigError(f"hint: hint must be one of {HINTS}, got {p.hint!r}")
+        r = p.rows_per_block
+        if p.template == "multirow":
+            if not isinstance(r, int) or r < 2:
+                raise ConfigError(f"rows-per-block: template multirow needs 2 or more rows per block, got {r}; "
+                                  "use template row for one")
+            if t * r > 1024:
+                raise ConfigError(f"block-size: {t} threads × {r} rows = {t * r} threads exceeds 1024 per block")
+        elif r != 1:
+            raise ConfigError(f"rows-per-block: template {p.template} handles one row per block, got {r}; "
+                              "use template multirow")
+        useful = _round_up(d // v, 32)
+        if t > useful:
+            raise ConfigError(f"idle-threads: a row of {d // v} vectors keeps at most {useful} threads busy, "
+                              f"got {t}")
+        if p.template != "wide":
+            values = self._slots(shape, p) * v + (2 if d % v else 0)
+            if values > MAX_VALUES_PER_THREAD:
+                raise ConfigError(f"registers: template {p.template} would hold {values} floats per thread "
+                                  f"(limit {MAX_VALUES_PER_THREAD}); use more threads or template wide")
+
+    def _slots(self, shape: Shape, p: Params) -> int:
+        return math.ceil((shape.d // p.vector) / p.threads)
+
+    # ---- generation ----
+    def kernel_name(self, shape: Shape, p: Params) -> str:
+        return (f"layernorm_{p.template}_d{shape.d}_t{p.threads}_v{p.vector}_r{p.rows_per_block}"
+                f"_{p.rsqrt}_{p.hint}")
+
+    def context(self, shape: Shape, p: Params) -> dict[str, Any]:
+        d, t, v, r = shape.d, p.threads, p.vector, p.rows_per_block
+        nvec = d // v
+        x_hint, y_hint, wb_hint = _HINT_SUFFIXES[p.hint]
+        return dict(
+            D=d, T=t, V=v, R=r, W=t // 32, BLOCK=t * r, NVEC=nvec, S=self._slots(shape, p),
+            FULL_SLOTS=nvec // t, PARTIAL_SLOT=nvec % t != 0, PEEL=d % v != 0,
+            GUARD_ROWS=r > 1, INV_D=f"{1.0 / d:.9e}f", RSQRT=p.rsqrt,
+            X_HINT=x_hint, Y_HINT=y_hint, WB_HINT=wb_hint,
+            X_HINT_PASS1="nc" if p.hint != "none" else "", X_HINT_PASS2=x_hint, UNROLL=4,
+        )
+
+    def source(self, shape: Shape, p: Params) -> Source:
+        self.validate(shape, p)
+        return render(_TEMPLATE_FILES[p.template], self.context(shape, p), self.kernel_name(shape, p), p)
+
+    # ---- launch ----
+    def geometry(self, shape: Shape, p: Params, run: dict[str, int]) -> Launch:
+        m = run["m"]
+        warps = p.threads // 32
+        if p.template == "wide":
+            shared = 3 * warps * 4 if warps > 1 else 0
+        else:
+            shared = 2 * p.rows_per_block * warps * 4 if warps > 1 else 0
+        return Launch(grid=(-(-m // p.rows_per_block), 1, 1), block=(p.threads * p.rows_per_block, 1, 1),
+                      dynamic_shared_bytes=0, static_shared_bytes=shared)
+
+    def check_run(self, run: dict[str, int]) -> None:
+        m = run.get("m")
+        if not isinstance(m, int) or not 1 <= m < 2**31:
+            raise ConfigError(f"m-range: rows at launch must be 1..2^31-1, got {m!r}")
+
+    def scalars(self, shape: Shape, run: dict[str, int]) -> dict[str, int | float]:
+        return {"M": run["m"], "eps": self.eps}
+
+    def make_inputs(self, shape: Shape, run: dict[str, int], rng: np.random.Generator) -> dict[str, np.ndarray]:
+        m, d = run["m"], shape.d
+        # An offset mean makes a one-pass sum-of-squares formula visibly wrong.
+        offset = rng.uniform(-4, 4)
+        return {
+            "x": (offset + rng.standard_normal((m, d)) * rng.uniform(0.5, 3)).astype(np.float32),
+            "w": rng.standard_normal(d).astype(np.float32),
+            "b": rng.standard_normal(d).astype(np.float32),
+        }
+
+    def output_shapes(self, shape: Shape, run: dict[str, int]) -> dict[str, tuple[int, ...]]:
+        return {"y": (run["m"], shape.d)}
+
+    def reference(self, shape: Shape, inputs: dict[str, np.ndarray], scalars: dict[str, int | float]) -> dict[str, np.ndarray]:
+        x = inputs["x"].astype(np.float64)
+        mean = x.mean(axis=1, keepdims=True)
+        var = ((x - mean) ** 2).mean(axis=1, keepdims=True)
+        y = (x - mean) / np.sqrt(var + float(scalars["eps"])) * inputs["w"].astype(np.float64) \
+            + inputs["b"].astype(np.float64)
+        return {"y": y}
+
+    def gate_runs(self, shape: Shape, run: dict[str, int]) -> list[dict[str, int]]:
+        """One row, an odd count that leaves a multirow block part-filled, and the size being tuned."""
+        return [{"m": m} for m in dict.fromkeys((1, 37, run["m"]))]
+
+    def bytes_moved(self, shape: Shape, run: dict[str, int]) -> int:
+        """The fewest bytes a layer norm must move: x read once, y written once (w, b negligible)."""
+        return 2 * run["m"] * shape.d * 4 + 2 * shape.d * 4
+
+
+OP = LayerNorm()

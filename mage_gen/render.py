@@ -1,0 +1,141 @@
+"""Render a variant's template into CUDA C++ source. Pure: the same op, shape and params give the same text."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import jinja2
+import jinja2.meta
+
+from mage_gen.errors import ConfigError
+from mage_gen.resources import data_dir
+
+
+@dataclass(frozen=True)
+class Source:
+    text: str
+    kernel_name: str
+    template: str
+    template_hash: str  # of every template file the render read: a change to any of them makes tuned/ stale
+    params: Any
+
+
+# ---- helpers the PTX vocabulary calls; they keep string logic out of the templates ----
+
+_LOAD_HINTS = {"": "", "nc": ".nc", "nc_na": ".nc.L1::no_allocate", "cg": ".cg", "cs": ".cs"}
+_STORE_HINTS = {"": "", "cs": ".cs", "cg": ".cg"}
+
+
+def _vec(regs: Sequence[str]) -> str:
+    return {1: "", 2: ".v2", 4: ".v4"}[_width(regs)]
+
+
+def _width(regs: Sequence[str]) -> int:
+    if isinstance(regs, str) or len(regs) not in (1, 2, 4):
+        raise jinja2.TemplateRuntimeError(f"a PTX vector holds 1, 2 or 4 registers, got {regs!r}")
+    return len(regs)
+
+
+def _operands(regs: Sequence[str], start: int = 0) -> str:
+    names = [f"%{start + i}" for i in range(_width(regs))]
+    return names[0] if len(names) == 1 else "{" + ", ".join(names) + "}"
+
+
+def _outputs(regs: Sequence[str]) -> str:
+    return ", ".join(f'"=f"({r})' for r in regs)
+
+
+def _inputs(regs: Sequence[str]) -> str:
+    return ", ".join(f'"f"({r})' for r in regs)
+
+
+def _ptx_tag(tag: str) -> str:
+    return f" // tensor={tag}" if tag else ""
+
+
+def _hint(table: dict[str, str], hint: str) -> str:
+    if hint not in table:
+        raise jinja2.TemplateRuntimeError(f"unknown cache hint {hint!r}; known: {sorted(table)}")
+    return table[hint]
+
+
+def _cp_level(level: str, nbytes: int) -> str:
+    if nbytes not in (4, 8, 16):
+        raise jinja2.TemplateRuntimeError(f"cp.async copies 4, 8 or 16 bytes, got {nbytes}")
+    if level == "cg" and nbytes != 16:
+        raise jinja2.TemplateRuntimeError("cp.async.cg copies 16 bytes only; use level 'ca'")
+    if level not in ("ca", "cg"):
+        raise jinja2.TemplateRuntimeError(f"cp.async level is 'ca' or 'cg', got {level!r}")
+    return level
+
+
+def _butterfly(width: int) -> list[int]:
+    if width not in (1, 2, 4, 8, 16, 32):
+        raise jinja2.TemplateRuntimeError(f"a shuffle group is a power of two up to 32 lanes, got {width}")
+    return [width >> i for i in range(1, width.bit_length())]
+
+
+def _regs(array: str, count: int) -> list[str]:
+    return [f"{array}[{i}]" for i in range(count)]
+
+
+def _fail(message: str) -> None:
+    raise jinja2.TemplateRuntimeError(message)
+
+
+@cache
+def environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(data_dir("templates")),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+    env.globals.update(
+        vec=_vec,
+        operands=_operands,
+        outputs=_outputs,
+        inputs=_inputs,
+        ptx_tag=_ptx_tag,
+        ld_hint=lambda h: _hint(_LOAD_HINTS, h),
+        st_hint=lambda h: _hint(_STORE_HINTS, h),
+        cp_level=_cp_level,
+        butterfly=_butterfly,
+        regs=_regs,
+        fail=_fail,
+    )
+    return env
+
+
+@cache
+def template_hash(name: str) -> str:
+    """sha256 over the template and everything it imports or includes, in a fixed order."""
+    env = environment()
+    seen: dict[str, str] = {}
+    pending = [name]
+    while pending:
+        current = pending.pop()
+        if current in seen:
+            continue
+        text, _, _ = env.loader.get_source(env, current)
+        seen[current] = text
+        pending.extend(t for t in jinja2.meta.find_referenced_templates(env.parse(text)) if t)
+    digest = hashlib.sha256()
+    for key in sorted(seen):
+        digest.update(key.encode() + b"\0" + seen[key].encode() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def render(template: str, context: dict[str, Any], kernel_name: str, params: Any) -> Source:
+    try:
+        text = environment().get_template(template).render(kernel_name=kernel_name, **context)
+    except jinja2.TemplateRuntimeError as exc:
+        raise ConfigError(f"template {template}: {exc}") from None
+    return Source(text=text, kernel_name=kernel_name, template=template,
+                  template_hash=template_hash(template), params=params)

@@ -1,0 +1,57 @@
+"""Search spaces: search/<op>.toml read into the axes of a preset, and expanded into valid params."""
+
+from __future__ import annotations
+
+import itertools
+import tomllib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from mage_gen.errors import ConfigError
+from mage_gen.ops import Op
+from mage_gen.resources import data_dir
+
+
+@dataclass(frozen=True)
+class Space:
+    op: str
+    preset: str
+    axes: tuple[tuple[str, tuple[Any, ...]], ...]  # ordered (name, values)
+
+    def combinations(self) -> Iterator[dict[str, Any]]:
+        names = [name for name, _ in self.axes]
+        for values in itertools.product(*(values for _, values in self.axes)):
+            yield dict(zip(names, values))
+
+
+def load_space(op: Op, preset: str | None = None) -> Space:
+    path = data_dir("search") / f"{op.name}.toml"
+    try:
+        spec = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"space: cannot read {path}: {exc}") from None
+    presets = spec.get("presets", {})
+    preset = preset or spec.get("default_preset") or "full"
+    if preset not in presets:
+        raise ConfigError(f"preset: unknown preset {preset!r} for {op.name}; use one of {', '.join(presets)}")
+    axes = dict(spec["axes"])
+    for name, values in presets[preset].items():
+        if name not in axes:
+            raise ConfigError(f"space: preset {preset} of {path.name} narrows unknown axis {name!r}")
+        axes[name] = values
+    return Space(op=op.name, preset=preset, axes=tuple((k, tuple(v)) for k, v in axes.items()))
+
+
+def expand(op: Op, shape: Any, space: Space) -> tuple[list[Any], list[tuple[Any, str]]]:
+    """Every combination of the space for this shape, split into valid params and (params, rule broken)."""
+    valid, rejected = [], []
+    for values in space.combinations():
+        params = op.params_from_dict(values)
+        try:
+            op.validate(shape, params)
+        except ConfigError as exc:
+            rejected.append((params, str(exc)))
+        else:
+            valid.append(params)
+    return valid, rejected

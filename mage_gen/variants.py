@@ -1,0 +1,57 @@
+"""A variant: an op's params rendered, compiled and counted. Whole spaces build in parallel processes."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from mage_gen.census import Census, take_census
+from mage_gen.compile import Compiled, check_arch, compile_source
+from mage_gen.ops import Op
+from mage_gen.render import Source
+
+
+@dataclass(frozen=True)
+class Variant:
+    params: Any
+    source: Source
+    compiled: Compiled
+    census: Census
+
+
+def build(op: Op, shape: Any, params: Any, arch: str) -> Variant:
+    source = op.source(shape, params)  # validates first: a rejected config never reaches NVRTC
+    compiled = compile_source(source, arch)
+    return Variant(params=params, source=source, compiled=compiled, census=take_census(compiled))
+
+
+def _build_one(job: tuple[str, Any, Any, str]) -> Variant:
+    from mage_gen.ops import get_op
+
+    op_name, shape, params, arch = job
+    return build(get_op(op_name), shape, params, arch)
+
+
+def build_all(op: Op, shape: Any, params_list: Sequence[Any], arch: str,
+              progress: Callable[[], None] | None = None, workers: int | None = None) -> list[Variant]:
+    """Build every variant, returned in input order; compiles run in worker processes, one per core."""
+    check_arch(arch)
+    jobs = [(op.name, shape, p, arch) for p in params_list]
+    workers = workers or min(len(jobs), os.cpu_count() or 1)
+    if workers <= 1:
+        results = []
+        for job in jobs:
+            results.append(_build_one(job))
+            if progress:
+                progress()
+        return results
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        results = []
+        for variant in pool.map(_build_one, jobs, chunksize=4):
+            results.append(variant)
+            if progress:
+                progress()
+        return results

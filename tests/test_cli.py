@@ -1,0 +1,61 @@
+"""The command line as a user meets it: real processes, exit codes, one-line errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def mage_gen(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mage_gen", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_inspect_json_reports_the_seed_shape():
+    done = mage_gen("inspect", "layernorm", "--d", "768", "--threads", "128", "--vector", "4", "--json")
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    census = doc["census"]
+    assert census["global_loads"]["x"] == {"v4": 2}
+    assert census["spill_bytes"] == 0 and census["passes"]["x"] == 1
+    assert doc["launch"]["grid"] == [4096, 1, 1] and doc["launch"]["block"] == [128, 1, 1]
+
+
+def test_inspect_table_and_source():
+    done = mage_gen("inspect", "layernorm", "--d", "1024", "--template", "multirow", "--threads", "32",
+                    "--config", "rows_per_block=4,hint=stream", "--source")
+    assert done.returncode == 0, done.stderr
+    assert "layernorm_multirow_d1024_t32_v4_r4_approx_stream" in done.stdout
+    assert "ld.global.nc.L1::no_allocate.v4.f32" in done.stdout  # the source came too
+    assert "passes over x" in done.stdout
+
+
+def test_variants_json_lists_only_valid_configs():
+    done = mage_gen("variants", "layernorm", "--d", "256", "--preset", "quick", "--json")
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert doc["preset"] == "quick" and doc["rejected"] > 0 and doc["variants"]
+    assert all(v["census"]["spill_bytes"] == 0 for v in doc["variants"])
+    # a row of 256 floats keeps at most 256 / vector threads busy: no variant wastes a warp
+    assert all(v["params"]["threads"] <= 256 // v["params"]["vector"] for v in doc["variants"])
+
+
+@pytest.mark.parametrize("args, says", [
+    (["inspect", "layernorm", "--d", "0"], "d-range"),
+    (["inspect", "layernorm", "--d", "-5"], "d-range"),
+    (["inspect", "layernorm", "--d", "abc"], "--d"),
+    (["inspect", "layernorm", "--d", "768", "--threads", "100"], "threads-multiple-of-32"),
+    (["inspect", "layernorm", "--d", "768", "--vector", "3"], "vector-width"),
+    (["inspect", "layernorm", "--d", "768", "--arch", "sm_10"], "arch"),
+    (["inspect", "layernorm"], "needs --d"),
+    (["inspect", "softmax", "--d", "768"], "unknown op"),
+    (["inspect", "layernorm", "--d", "768", "--config", "warp_size=7"], "unknown layernorm parameter"),
+    (["variants", "layernorm", "--d", "768", "--preset", "huge"], "unknown preset"),
+    (["variants", "layernorm", "--d", "768", "--arch", "sm_10"], "arch"),
+])
+def test_bad_input_is_one_line_exit_2_no_traceback(args, says):
+    done = mage_gen(*args)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], done.stderr
+    assert "Traceback" not in done.stderr and done.stdout == ""

@@ -1,0 +1,99 @@
+import pytest
+
+from mage_gen.census import take_census
+from mage_gen.compile import compile_source
+from mage_gen.errors import CompileError, ConfigError
+from mage_gen.ops import get_op
+from mage_gen.ops.layernorm import Params
+from mage_gen.render import Source, environment, render
+
+OP = get_op("layernorm")
+
+
+def test_second_compile_is_a_cache_hit_with_the_same_binary():
+    source = OP.source(OP.shape(d=333), Params(threads=64, vector=1))
+    first = compile_source(source)
+    second = compile_source(source)
+    assert not first.from_cache and second.from_cache
+    assert first.cubin == second.cubin and first.ptx == second.ptx and first.key == second.key
+
+
+def test_cache_key_follows_source_and_arch():
+    a = OP.source(OP.shape(d=512), Params(threads=64, vector=2))
+    b = OP.source(OP.shape(d=512), Params(threads=64, vector=2, rsqrt="exact"))
+    assert compile_source(a).key != compile_source(b).key
+    assert compile_source(a, "sm_80").key != compile_source(a, "sm_90").key
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_90"])
+def test_builds_for_each_supported_arch(arch):
+    compiled = compile_source(OP.source(OP.shape(d=768), Params()), arch)
+    assert f".target {arch}" in compiled.ptx and compiled.cubin[:4] == b"\x7fELF"
+
+
+def test_unknown_arch_is_a_config_error():
+    with pytest.raises(ConfigError, match="^arch:"):
+        compile_source(OP.source(OP.shape(d=768), Params()), "sm_10")
+
+
+def test_compile_error_carries_nvrtc_log():
+    broken = Source(text='extern "C" __global__ void k() { undeclared_thing(); }', kernel_name="k",
+                    template="-", template_hash="-", params=None)
+    with pytest.raises(CompileError, match="undeclared_thing"):
+        compile_source(broken)
+
+
+VOCABULARY_PROBE = """{% import "ptx.j2" as ptx %}
+extern "C" __global__ void probe(float* out, const float* in)
+{
+    __shared__ __align__(16) float tile[64];
+    const unsigned dst = {{ ptx.smem_addr('tile + 4 * threadIdx.x') }};
+    {{ ptx.cp_async('dst', 'in + 4 * threadIdx.x', 16, 'cg') }}
+    {{ ptx.cp_async('dst', 'in + 4 * threadIdx.x', 8) }}
+    {{ ptx.cp_async('dst', 'in + 4 * threadIdx.x', 4, 'ca', 'threadIdx.x < 3 ? 4 : 0') }}
+    {{ ptx.cp_async_commit() }}
+    {{ ptx.cp_async_wait(1) }}
+    {{ ptx.cp_async_wait(0) }}
+    {{ ptx.barrier() }}
+    float v[4], s, r;
+    {{ ptx.ld_shared(regs('v', 4), 'dst') }}
+    {{ ptx.st_shared('dst', regs('v', 2)) }}
+    {{ ptx.ld_global(['s'], 'in', 'nc_na', 'in') }}
+    {{ ptx.warp_sum('s') }}
+    {{ ptx.rsqrt('r', 's', 'approx') }}
+    {{ ptx.fma('s', 'r', 'v[0]', 'v[1]') }}
+    {{ ptx.st_global('out + 4 * threadIdx.x', regs('v', 4), 'cs', 'out') }}
+    {{ ptx.st_global('out', ['s'], '', 'out') }}
+}
+"""
+
+
+def test_ptx_vocabulary_compiles_and_is_counted():
+    text = environment().from_string(VOCABULARY_PROBE).render()
+    compiled = compile_source(Source(text=text, kernel_name="probe", template="-", template_hash="-", params=None))
+    c = take_census(compiled)
+    assert c.cp_async == {4: 1, 8: 1, 16: 1}
+    assert c.commit_groups == 1 and c.wait_groups == {0: 1, 1: 1}
+    assert c.loads_of("in", "scalar") == 1 and c.stores_of("out", "v4") == 1 and c.stores_of("out", "scalar") == 1
+    assert c.shfl_sync == 5 and c.rsqrt_approx == 1 and c.bar_sync == 1
+    assert c.shared_loads >= 1 and c.shared_stores >= 1
+    assert "ld.global.nc.L1::no_allocate.f32" in compiled.ptx and "st.global.cs.v4.f32" in compiled.ptx
+
+
+@pytest.mark.parametrize("snippet, message", [
+    ("{{ ptx.cp_async('d', 's', 8, 'cg') }}", "16 bytes only"),
+    ("{{ ptx.cp_async('d', 's', 12) }}", "4, 8 or 16"),
+    ("{{ ptx.ld_global(['a', 'b', 'c'], 'p') }}", "1, 2 or 4"),
+    ("{{ ptx.ld_global(['a'], 'p', 'sticky') }}", "unknown cache hint"),
+    ("{{ ptx.rsqrt('a', 'b', 'fast') }}", "rsqrt mode"),
+    ("{{ undefined_name }}", "undefined"),
+])
+def test_vocabulary_rejects_what_ptx_does_not_have(snippet, message, tmp_path):
+    template = environment().from_string('{% import "ptx.j2" as ptx %}' + snippet)
+    with pytest.raises(Exception, match=message):
+        template.render()
+
+
+def test_render_failure_is_a_config_error():
+    with pytest.raises(ConfigError, match="rsqrt mode"):
+        render("layernorm/resident.cu.j2", {**OP.context(OP.shape(d=768), Params()), "RSQRT": "fast"}, "k", None)

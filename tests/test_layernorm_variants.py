@@ -1,0 +1,116 @@
+"""Every layer-norm variant either is rejected by a named rule or compiles to what it asked for."""
+
+import re
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mage_gen.errors import ConfigError
+from mage_gen.ops import get_op
+from mage_gen.ops.layernorm import HINTS, RSQRT_MODES, TEMPLATES, Params
+from mage_gen.space import expand, load_space
+from mage_gen.variants import build, build_all
+
+OP = get_op("layernorm")
+RULES = {"d-range", "template", "threads-multiple-of-32", "threads-range", "vector-width", "rsqrt", "hint",
+         "rows-per-block", "block-size", "idle-threads", "registers"}
+
+params_strategy = st.builds(
+    Params,
+    template=st.sampled_from(TEMPLATES),
+    threads=st.one_of(st.integers(1, 33).map(lambda k: 32 * k), st.integers(1, 1100)),
+    vector=st.sampled_from([1, 2, 3, 4, 8]),
+    rows_per_block=st.sampled_from([1, 2, 3, 4, 8, 16]),
+    rsqrt=st.sampled_from(RSQRT_MODES),
+    hint=st.sampled_from(HINTS),
+)
+
+
+def check_variant(d: int, params: Params) -> None:
+    shape = OP.shape(d=d)
+    try:
+        OP.validate(shape, params)
+    except ConfigError as exc:
+        rule = str(exc).split(":", 1)[0]
+        assert rule in RULES, f"rejection without a named rule: {exc}"
+        return
+    v = build(OP, shape, params, "sm_90")
+    c = v.census
+    launch = OP.geometry(shape, params, {"m": 37})
+    assert c.spill_bytes == 0 and c.stack_bytes == 0, c
+    assert c.shared_bytes == launch.static_shared_bytes
+    assert launch.threads == params.threads * params.rows_per_block
+    width = {1: "scalar", 2: "v2", 4: "v4"}[params.vector]
+    body_loads = c.loads_of("x", tail=False)
+    assert body_loads > 0 and c.loads_of("x", width, tail=False) == body_loads, c.global_loads
+    assert c.stores_of("y", width, tail=False) == c.stores_of("y", tail=False) > 0
+    assert (c.loads_of("x", tail=True) > 0) == (d % params.vector != 0 and params.vector > 1)
+    assert c.passes_over("x") == (2 if params.template == "wide" else 1)
+    assert (c.rsqrt_approx > 0) == (params.rsqrt == "approx")
+    warps_per_row = params.threads // 32
+    if params.template != "wide" and warps_per_row == 1:
+        assert c.bar_sync == 0, "a row held by one warp needs no barrier"
+    if params.template != "wide" and warps_per_row > 1:
+        assert c.bar_sync == 2, "two block reductions, one barrier each"
+    if params.hint == "stream":
+        assert "L1::no_allocate" in v.compiled.ptx and "st.global.cs" in v.compiled.ptx
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(d=st.one_of(st.integers(1, 4096), st.integers(1, 65536)), params=params_strategy)
+def test_drawn_variants_are_rejected_by_a_rule_or_compile_as_asked(d, params):
+    check_variant(d, params)
+
+
+@pytest.mark.parametrize("d", [768, 4096, 1000, 65536])
+def test_every_quick_preset_variant_compiles_without_spills(d):
+    valid, _ = expand(OP, OP.shape(d=d), load_space(OP, "quick"))
+    for params in valid:
+        check_variant(d, params)
+
+
+def test_every_full_preset_variant_at_d768_compiles_without_spills():
+    shape = OP.shape(d=768)
+    valid, rejected = expand(OP, shape, load_space(OP, "full"))
+    assert len(valid) > 300 and rejected
+    built = build_all(OP, shape, valid, "sm_90")
+    assert [v.params for v in built] == valid
+    assert all(v.census.spill_bytes == 0 for v in built)
+
+
+def test_seed_shape_holds_one_quad_and_one_masked_quad_per_thread():
+    v = build(OP, OP.shape(d=768), Params(template="row", threads=128, vector=4), "sm_90")
+    assert v.census.loads_of("x", "v4") == 2
+    assert "if (1 * 128 + lane < nvec)" in v.source.text  # the second quad is masked
+    assert v.census.passes_over("x") == 1
+
+
+@pytest.mark.parametrize("d, params, rule", [
+    (4096, Params(threads=100), "threads-multiple-of-32"),
+    (4096, Params(threads=2048), "threads-range"),
+    (4096, Params(vector=3), "vector-width"),
+    (2, Params(vector=4, threads=32), "vector-width"),
+    (4096, Params(template="row", rows_per_block=4), "rows-per-block"),
+    (4096, Params(template="multirow", threads=64, rows_per_block=1), "rows-per-block"),
+    (4096, Params(template="multirow", threads=256, rows_per_block=8), "block-size"),
+    (4096, Params(template="row", threads=32, vector=1), "registers"),
+    (2048, Params(template="row", threads=1024, vector=4), "idle-threads"),
+    (4096, Params(template="fast"), "template"),
+    (4096, Params(rsqrt="fast"), "rsqrt"),
+    (4096, Params(hint="sticky"), "hint"),
+])
+def test_rejections_name_their_rule(d, params, rule):
+    with pytest.raises(ConfigError, match=rf"^{re.escape(rule)}:"):
+        OP.validate(OP.shape(d=d), params)
+
+
+@pytest.mark.parametrize("d", [0, -5, 1 << 21])
+def test_row_length_out_of_range_is_rejected(d):
+    with pytest.raises(ConfigError, match="^d-range:"):
+        OP.shape(d=d)
+
+
+def test_source_is_rejected_before_rendering():
+    with pytest.raises(ConfigError, match="^threads-multiple-of-32"):
+        OP.source(OP.shape(d=768), Params(threads=100))
