@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import sys
+from pathlib import Path
 from typing import Any, Optional
 
 import typer
@@ -12,15 +13,22 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from mage_gen.backends import Backend, GpuBackend, ReplayBackend
 from mage_gen.compile import DEFAULT_ARCH, check_arch
-from mage_gen.errors import MageError
+from mage_gen.emit import emit
+from mage_gen.errors import MageError, NoGpuError
 from mage_gen.ops import Op, get_op
 from mage_gen.space import expand, load_space
+from mage_gen.store import load_winner, save_entry
+from mage_gen.timing import Timing
+from mage_gen.tune import TuneResult
+from mage_gen.tune import tune as tune_search
 from mage_gen.variants import Variant, build, build_all
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Generate, check and tune GPU kernels written with inline PTX.")
-out = Console()
+# Tables are wide; where output goes to a file or pipe, do not squeeze them into 80 columns.
+out = Console(width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True)
 
 OpArg = typer.Argument(..., help="op family, e.g. layernorm")
@@ -159,6 +167,132 @@ def variants(
         table.add_row(v.params.label(), str(c.registers), str(c.shared_bytes), str(c.spill_bytes),
                       _widths(c.global_loads, "x"), str(c.passes_over("x")), str(c.bar_sync), str(c.shfl_sync))
     out.print(table)
+
+
+def _this_gpu() -> str:
+    try:
+        from mage_gen.gpu import device_name
+
+        return device_name()
+    except (ImportError, MageError):
+        raise MageError("no GPU reachable to pick this GPU's tuned/ entry: pass --gpu NAME "
+                        "(e.g. --gpu 'NVIDIA H200') or --config KEY=VALUE,...") from None
+
+
+@app.command("emit")
+def emit_command(
+    op_name: str = OpArg, d: Optional[int] = DOpt,
+    out_dir: Path = typer.Option(Path("kernels"), "-o", "--out", help="folder for the emitted files"),
+    arch: str = ArchOpt,
+    config: list[str] = typer.Option([], help="emit these parameters (KEY=VALUE[,KEY=VALUE]) instead of "
+                                              "this GPU's tuned winner"),
+    gpu: Optional[str] = typer.Option(None, "--gpu", envvar="MAGE_GEN_GPU",
+                                      help="the GPU whose tuned/ winner to emit (default: this machine's)"),
+) -> None:
+    """Write a kernel as standalone .cu, .ptx, .cubin and .launch.json: the tuned winner, or --config."""
+    op = get_op(op_name)
+    shape = _shape(op, d=d)
+    check_arch(arch)
+    if config:
+        params, provenance = op.params_from_dict(_parse_config(config)), None
+    else:
+        winner = load_winner(op, shape, gpu or _this_gpu())
+        params, provenance = winner.params, winner.entry
+    for path in emit(op, shape, params, arch, out_dir, provenance):
+        print(path)
+
+
+def _print_result(op: Op, result: TuneResult, objective: str) -> None:
+    table = Table(title=f"{op.name}: winner and runner-ups ({objective} objective), then peers, µs per launch")
+    for column in ("", "kernel", "hot median", "± spread", "cold median", "regs", "vs triton", "vs torch"):
+        table.add_column(column, justify="left" if column in ("", "kernel") else "right")
+
+    def ratio(f: Timing, peer: str) -> str:
+        theirs = result.peers.get(peer)
+        return f"{f.median_us / theirs[objective].median_us:.3f}×" if theirs else "–"
+
+    for label, f in [("winner" + (" (tie)" if result.tie else ""), result.winner),
+                     *(("", r) for r in result.runner_ups)]:
+        t = f.timing(objective)
+        table.add_row(label, f.name, f"{f.hot.median_us:.2f}", f"{t.spread_us:.2f}", f"{f.cold.median_us:.2f}",
+                      str(f.registers), ratio(t, "triton"), ratio(t, "torch"))
+    for name, p in result.peers.items():
+        config = " ".join(f"{k}={v}" for k, v in p["config"].items() if k in ("num_warps", "fn"))
+        table.add_row("peer", f"{name} {config}", f"{p['hot'].median_us:.2f}", f"{p[objective].spread_us:.2f}",
+                      f"{p['cold'].median_us:.2f}", "", "", "")
+    out.print(table)
+    c = result.winner.census
+    out.print(f"winner census: {c['registers']} registers, {c['shared_bytes']} B shared, {c['spill_bytes']} B spills, "
+              f"x loads {_widths(c['global_loads'], 'x')}, {c['passes'].get('x', 0)} pass(es) over x, "
+              f"{c['bar_sync']} bar.sync, {c['shfl_sync']} shfl")
+    out.print(f"study {result.study} ({result.sampler}): {result.valid} valid configs, {result.measured} measured now, "
+              f"{result.reused} from earlier runs, {len(result.failed)} failed")
+    for name, why in list(result.failed.items())[:5]:
+        out.print(f"  failed {name}: {why}", markup=False)
+    if result.tie:
+        out.print(f"tie: {result.winner.name} and {', '.join(result.tied_with)} are within each other's spread; "
+                  "kept the one with fewer registers, then fewer threads")
+    for name, why in result.dropped.items():
+        out.print(f"  not compared: {name}: {why}", markup=False)
+
+
+@app.command("tune")
+def tune_command(
+    op_name: str = OpArg, d: Optional[int] = DOpt,
+    m: int = typer.Option(4096, "--m", help="rows at launch to tune for"),
+    preset: Optional[str] = typer.Option(None, help="search-space preset from search/<op>.toml (quick, full)"),
+    trials: Optional[int] = typer.Option(None, min=1, help="configs the study measures in all, earlier runs "
+                                                           "included (default: all when ≤ 64, else 64)"),
+    objective: str = typer.Option("hot", help="hot (L2-warm, graph replay) or cold (L2 flushed)"),
+    storage: Optional[str] = typer.Option(None, help="Optuna storage URL (default: SQLite in the user data folder)"),
+    study: Optional[str] = typer.Option(None, help="study name (default: from op, shape, GPU, arch, objective)"),
+    arch: Optional[str] = typer.Option(None, "--arch", help="default: the GPU's own"),
+    out_dir: Path = typer.Option(Path("kernels"), "-o", "--out", help="folder for the emitted winner"),
+    seed: int = typer.Option(0, help="seed of the sampler and the random inputs"),
+    replay: Optional[Path] = typer.Option(None, help="answer from a recording of bench/layernorm_trials.py "
+                                                      "instead of the GPU (for testing)"),
+) -> None:
+    """Search the space on this GPU: gate every variant, time the ones that pass, store and emit the winner."""
+    op = get_op(op_name)
+    shape = _shape(op, d=d)
+    run = {"m": m}
+    op.check_run(run)
+    if objective not in ("hot", "cold"):
+        raise MageError(f"objective: use hot or cold, got {objective!r}")
+    space = load_space(op, preset)
+    valid, rejected = expand(op, shape, space)
+    backend: Backend | None = None
+    no_gpu = ""
+    try:
+        backend = ReplayBackend(replay) if replay else GpuBackend(op, shape, run, seed)
+    except NoGpuError as exc:
+        no_gpu = str(exc)
+    except (OSError, ValueError, KeyError) as exc:
+        raise MageError(f"replay: cannot read {replay}: {exc}") from None
+    if backend is not None and arch and check_arch(arch) != backend.arch:
+        raise MageError(f"arch: the GPU here is {backend.arch}; kernels for {arch} cannot be timed on it")
+    target = backend.arch if backend else check_arch(arch or DEFAULT_ARCH)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=True, disable=not err.is_terminal) as progress:
+        task = progress.add_task("compiling", total=len(valid))
+        build_all(op, shape, valid, target, progress=lambda: progress.advance(task))
+        if backend is None:
+            raise NoGpuError(f"compiled and counted {len(valid)} valid variants ({len(rejected)} rejected) for "
+                             f"{target}; {no_gpu}")
+        trial_task = progress.add_task("measuring", total=None)
+
+        def report(stage: str, done: int, total: int) -> None:
+            progress.update(trial_task, description="measuring" if stage == "trials" else "re-timing finalists",
+                            completed=done, total=total)
+
+        result = tune_search(op, shape, run, space, backend, objective=objective, trials=trials,
+                             storage=storage, study_name=study, seed=seed, progress=report)
+    entry = result.entry(op, shape, run, backend.device, objective)
+    stored = save_entry(op.name, backend.device["name"], op.shape_key(shape), entry)
+    _print_result(op, result, objective)
+    out.print(f"stored {stored}")
+    for path in emit(op, shape, result.winner.params, target, out_dir, entry):
+        print(path)
 
 
 def _click_exceptions(name: str) -> tuple[type[BaseException], ...]:

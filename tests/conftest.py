@@ -8,3 +8,44 @@ def _private_compile_cache(tmp_path_factory):
     mp.setenv("MAGE_GEN_CACHE", str(tmp_path_factory.mktemp("nvrtc-cache")))
     yield
     mp.undo()
+
+
+@pytest.fixture
+def synthetic_entry():
+    """make(params=None, **overrides) -> a SYNTHETIC tuned/ entry: the census and template hash are real
+    (compiled here), the GPU, timings and peers are made up in the shape the tuner records them."""
+    from datetime import datetime, timezone
+
+    import mage_gen
+    from mage_gen.compile import nvrtc_version
+    from mage_gen.ops import get_op
+    from mage_gen.timing import Timing
+    from mage_gen.variants import build
+
+    op = get_op("layernorm")
+
+    def make(d: int = 768, params: dict | None = None, **overrides) -> dict:
+        p = op.params_from_dict(params or {"template": "row", "threads": 128, "vector": 4})
+        variant = build(op, op.shape(d=d), p, "sm_90")
+        entry = {
+            "shape": {"d": d},
+            "params": op.params_to_dict(p),
+            "kernel": variant.source.kernel_name,
+            "template": variant.source.template,
+            "template_hash": variant.source.template_hash,
+            "objective": "hot",
+            "timings": {"hot": Timing.from_samples("hot", [5.10, 5.12, 5.14, 5.20, 5.11]).to_dict(),
+                        "cold": Timing.from_samples("cold", [9.40, 9.52, 9.61, 9.45, 9.70]).to_dict()},
+            "peers": {"torch": {"hot": Timing.from_samples("hot", [6.40, 6.41, 6.45, 6.39, 6.50]).to_dict(),
+                                "cold": Timing.from_samples("cold", [10.2, 10.3, 10.1, 10.4, 10.2]).to_dict()}},
+            "census": variant.census.to_dict(),
+            "gpu": {"name": "NVIDIA H200", "cc": "9.0", "driver": "580.82.07", "sms": 132,
+                    "l2_bytes": 52428800},
+            "nvrtc": nvrtc_version(),
+            "mage_gen": mage_gen.__version__,
+            "date": datetime(2025, 11, 30, 6, 0, tzinfo=timezone.utc).isoformat(),
+        }
+        entry.update(overrides)
+        return entry
+
+    return make

@@ -21,9 +21,11 @@ from mage_gen.render import Source, render
 TEMPLATES = ("row", "multirow", "wide")
 VECTOR_WIDTHS = (1, 2, 4)
 RSQRT_MODES = ("approx", "exact")
+STATS = ("two_pass", "one_pass")
 HINTS = ("none", "nc", "stream")
 MAX_D = 1 << 20
 MAX_VALUES_PER_THREAD = 64  # floats of one row a thread may hold; beyond it ptxas starts to spill
+_REGISTERS_PER_VALUE = {1: 5.0, 2: 3.5, 4: 2.25}
 _TEMPLATE_FILES = {"row": "layernorm/resident.cu.j2", "multirow": "layernorm/resident.cu.j2",
                    "wide": "layernorm/wide.cu.j2"}
 # (x loads, y stores, w/b loads) for each hint
@@ -43,10 +45,26 @@ class Params:
     rows_per_block: int = 1
     rsqrt: str = "approx"
     hint: str = "nc"  # none: plain loads; nc: read-only path; stream: x not kept in L1, y evict-first
+    stats: str = "two_pass"  # two_pass: mean, then squared deviations; one_pass: one Chan-merged reduction
+    grid_cap: int = 0  # 0: a block per row group; N: at most N blocks walk the rows, prefetching the next
 
     def label(self) -> str:
+        extra = (" one_pass" if self.stats == "one_pass" else "") + (f" grid≤{self.grid_cap}" if self.grid_cap else "")
         return (f"{self.template} T{self.threads} V{self.vector} R{self.rows_per_block} "
-                f"{self.rsqrt} {self.hint}")
+                f"{self.rsqrt} {self.hint}{extra}")
+
+
+def _register_cap(block_threads: int) -> int:
+    """Registers per thread ptxas allows under __launch_bounds__(block, 1): the register file split over
+    the block's warps, rounded up to whole groups of 4 warps, in steps of 8, at most 255."""
+    warps = _round_up(-(-block_threads // 32), 4)
+    return min(255, 65536 // (warps * 32) // 8 * 8)
+
+
+def _registers_needed(values: int, vector: int) -> int:
+    """A conservative estimate, fitted to ptxas 13.0 over 1457 compiled row/multirow variants (none that
+    it admits spilled): narrower vectors cost more registers per value in addresses and predicates."""
+    return math.ceil(values * _REGISTERS_PER_VALUE[vector]) + 16
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -98,6 +116,13 @@ class LayerNorm:
             raise ConfigError(f"rsqrt: rsqrt must be one of {RSQRT_MODES}, got {p.rsqrt!r}")
         if p.hint not in HINTS:
             raise ConfigError(f"hint: hint must be one of {HINTS}, got {p.hint!r}")
+        if p.stats not in STATS:
+            raise ConfigError(f"stats: stats must be one of {STATS}, got {p.stats!r}")
+        if not isinstance(p.grid_cap, int) or p.grid_cap < 0:
+            raise ConfigError(f"grid-cap: grid_cap is 0 (a block per row group) or a block count, got {p.grid_cap!r}")
+        if p.template == "wide" and (p.grid_cap or p.stats != "two_pass"):
+            raise ConfigError("wide-options: template wide takes neither grid_cap nor stats; it always merges "
+                              "with Chan's formula, one block per row")
         r = p.rows_per_block
         if p.template == "multirow":
             if not isinstance(r, int) or r < 2:
@@ -113,10 +138,16 @@ class LayerNorm:
             raise ConfigError(f"idle-threads: a row of {d // v} vectors keeps at most {useful} threads busy, "
                               f"got {t}")
         if p.template != "wide":
-            values = self._slots(shape, p) * v + (2 if d % v else 0)
+            # a persistent block holds its next rows too
+            values = (self._slots(shape, p) * v + (2 if d % v else 0)) * (2 if p.grid_cap else 1)
             if values > MAX_VALUES_PER_THREAD:
                 raise ConfigError(f"registers: template {p.template} would hold {values} floats per thread "
                                   f"(limit {MAX_VALUES_PER_THREAD}); use more threads or template wide")
+            need, cap = _registers_needed(values, v), _register_cap(t * r)
+            if need > cap:
+                raise ConfigError(f"registers: {values} floats per thread need about {need} registers, over the "
+                                  f"{cap} a block of {t * r} threads leaves each; use fewer rows per block, a "
+                                  "wider vector, more threads per row or template wide")
 
     def _slots(self, shape: Shape, p: Params) -> int:
         return math.ceil((shape.d // p.vector) / p.threads)
@@ -124,7 +155,8 @@ class LayerNorm:
     # ---- generation ----
     def kernel_name(self, shape: Shape, p: Params) -> str:
         return (f"layernorm_{p.template}_d{shape.d}_t{p.threads}_v{p.vector}_r{p.rows_per_block}"
-                f"_{p.rsqrt}_{p.hint}")
+                f"_{p.rsqrt}_{p.hint}" + ("_onepass" if p.stats == "one_pass" else "")
+                + (f"_g{p.grid_cap}" if p.grid_cap else ""))
 
     def context(self, shape: Shape, p: Params) -> dict[str, Any]:
         d, t, v, r = shape.d, p.threads, p.vector, p.rows_per_block
@@ -133,7 +165,8 @@ class LayerNorm:
         return dict(
             D=d, T=t, V=v, R=r, W=t // 32, BLOCK=t * r, NVEC=nvec, S=self._slots(shape, p),
             FULL_SLOTS=nvec // t, PARTIAL_SLOT=nvec % t != 0, PEEL=d % v != 0,
-            GUARD_ROWS=r > 1, INV_D=f"{1.0 / d:.9e}f", RSQRT=p.rsqrt,
+            GUARD_ROWS=r > 1 or p.grid_cap > 0, PERSISTENT=p.grid_cap > 0, STATS=p.stats,
+            INV_D=f"{1.0 / d:.9e}f", RSQRT=p.rsqrt,
             X_HINT=x_hint, Y_HINT=y_hint, WB_HINT=wb_hint,
             X_HINT_PASS1="nc" if p.hint != "none" else "", X_HINT_PASS2=x_hint, UNROLL=4,
         )
@@ -146,12 +179,34 @@ class LayerNorm:
     def geometry(self, shape: Shape, p: Params, run: dict[str, int]) -> Launch:
         m = run["m"]
         warps = p.threads // 32
-        if p.template == "wide":
-            shared = 3 * warps * 4 if warps > 1 else 0
-        else:
-            shared = 2 * p.rows_per_block * warps * 4 if warps > 1 else 0
-        return Launch(grid=(-(-m // p.rows_per_block), 1, 1), block=(p.threads * p.rows_per_block, 1, 1),
-                      dynamic_shared_bytes=0, static_shared_bytes=shared)
+        if warps == 1:
+            shared = 0
+        elif p.template == "wide":
+            shared = 3 * warps * 4
+        elif p.stats == "two_pass":
+            shared = 2 * p.rows_per_block * warps * 4
+        else:  # (count, mean, M2) per warp; a persistent block alternates two sets between iterations
+            shared = (2 if p.grid_cap else 1) * p.rows_per_block * warps * 3 * 4
+        groups = -(-m // p.rows_per_block)
+        return Launch(grid=(min(groups, p.grid_cap) if p.grid_cap else groups, 1, 1),
+                      block=(p.threads * p.rows_per_block, 1, 1), dynamic_shared_bytes=0,
+                      static_shared_bytes=shared)
+
+    def launch_formula(self, shape: Shape, p: Params) -> dict[str, Any]:
+        """The launch as a function of the run-time sizes, for code that calls an emitted kernel."""
+        launch = self.geometry(shape, p, {"m": 1})
+        grid_x = "M" if p.rows_per_block == 1 else f"(M + {p.rows_per_block - 1}) / {p.rows_per_block}"
+        if p.grid_cap:
+            grid_x = f"min({grid_x}, {p.grid_cap})"
+        return {"grid": [grid_x, 1, 1], "block": list(launch.block),
+                "dynamic_shared_bytes": launch.dynamic_shared_bytes}
+
+    def slug(self, shape: Shape) -> str:
+        return f"d{shape.d}"
+
+    def shape_key(self, shape: Shape) -> str:
+        """The key of a tuned/ entry: one per (d, dtype)."""
+        return f"d={shape.d}/float32"
 
     def check_run(self, run: dict[str, int]) -> None:
         m = run.get("m")
@@ -166,9 +221,9 @@ class LayerNorm:
         # An offset mean makes a one-pass sum-of-squares formula visibly wrong.
         offset = rng.uniform(-4, 4)
         return {
-            "x": (offset + rng.standard_normal((m, d)) * rng.uniform(0.5, 3)).astype(np.float32),
-            "w": rng.standard_normal(d).astype(np.float32),
-            "b": rng.standard_normal(d).astype(np.float32),
+            "x": np.float32(offset) + rng.standard_normal((m, d), dtype=np.float32) * np.float32(rng.uniform(0.5, 3)),
+            "w": rng.standard_normal(d, dtype=np.float32),
+            "b": rng.standard_normal(d, dtype=np.float32),
         }
 
     def output_shapes(self, shape: Shape, run: dict[str, int]) -> dict[str, tuple[int, ...]]:

@@ -1,0 +1,152 @@
+"""Layer norm on this GPU: the tuned mage-gen kernel against torch and Triton at its best num_warps,
+hot and cold, on the seven shapes of the sweep, with the device-to-device copy bandwidth of the same run.
+
+Each d uses this GPU's winner from tuned/ (tuned at M = 4096); with --tune-missing, a d without one is
+tuned first with `mage-gen tune`. Every kernel and peer is gated at the benched shape before it is timed.
+Writes bench/results/<gpu>/layernorm.json.
+
+    python bench/layernorm.py --tune-missing
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from mage_gen import __version__, gpu
+from mage_gen.compile import nvrtc_version
+from mage_gen.errors import StoreError
+from mage_gen.measure import Bench, gate, interleave
+from mage_gen.ops import get_op
+from mage_gen.peers import make_peers
+from mage_gen.store import gpu_slug, load_winner, write_atomic
+from mage_gen.timing import Timing
+from mage_gen.variants import build
+
+SHAPES = [(4096, 768), (4096, 1024), (4096, 2048), (4096, 4096), (4096, 8192), (65536, 768), (32768, 4096)]
+ROUNDS, PER_ROUND = 5, 6
+COPY_BYTES = 2 << 30
+
+
+def copy_bandwidth() -> Timing:
+    """Device-to-device copy, bytes read plus bytes written per second, as bytes/µs samples."""
+    src = torch.empty(COPY_BYTES // 4, dtype=torch.float32, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for i in range(13):
+        begin.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        if i >= 3:
+            samples.append(2 * COPY_BYTES / (begin.elapsed_time(end) * 1000.0))
+    return Timing.from_samples("copy", samples)
+
+
+def winner_params(op, shape, device, tune_missing: bool):
+    try:
+        return load_winner(op, shape, device.name).params
+    except StoreError:
+        if not tune_missing:
+            raise
+    subprocess.run([sys.executable, "-m", "mage_gen", "tune", op.name, "--d", str(shape.d), "--m", "4096",
+                    "--out", "/tmp/mage-gen-bench-kernels"], check=True)
+    return load_winner(op, shape, device.name).params
+
+
+def bench_shape(op, m: int, d: int, params, device, copy_bytes_per_us: float) -> dict:
+    shape, run = op.shape(d=d), {"m": m}
+    variant = build(op, shape, params, device.arch)
+    bench = Bench(op, shape, run, seed=m + d)
+    kernel = bench.load(variant)
+    try:
+        checked = gate(op, shape, params, kernel, run, bench.rng, bench.stream)
+        if not checked.passed:
+            return {"m": m, "d": d, "kernel": variant.source.kernel_name, "gate": checked.to_dict()}
+        subject = bench.subject(variant, kernel, name="mage-gen")
+        inputs = subject.bound.inputs
+        peers, missing = make_peers(op, shape, run, inputs, op.reference(shape, inputs, op.scalars(shape, run)))
+        everyone = [subject, *peers]
+        hot = interleave(everyone, "hot", ROUNDS, PER_ROUND)
+        cold = interleave(everyone, "cold", ROUNDS, PER_ROUND)
+        subject.close()
+    finally:
+        kernel.unload()
+    moved = op.bytes_moved(shape, run)
+    floor_us = moved / copy_bytes_per_us
+    result = {
+        "m": m, "d": d, "kernel": variant.source.kernel_name, "params": op.params_to_dict(params),
+        "census": {k: variant.census.to_dict()[k] for k in ("registers", "shared_bytes", "spill_bytes", "bar_sync")},
+        "gate": checked.to_dict(), "bytes_moved": moved, "copy_floor_us": floor_us,
+        "timings": {name: {"hot": hot[name].to_dict(), "cold": cold[name].to_dict()} for name in hot},
+        "peer_configs": {p.name: p.config for p in peers}, "peers_missing": missing,
+    }
+    for method, table in (("hot", hot), ("cold", cold)):
+        mine = table["mage-gen"].median_us
+        result[f"{method}_ratio"] = {p.name: mine / table[p.name].median_us for p in peers}
+        result[f"{method}_bandwidth_fraction"] = floor_us / mine
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tune-missing", action="store_true", help="tune a d that has no winner in tuned/")
+    args = parser.parse_args()
+    op = get_op("layernorm")
+    device = gpu.open_device()
+    params = {d: winner_params(op, op.shape(d=d), device, args.tune_missing) for d in sorted({d for _, d in SHAPES})}
+    copy = copy_bandwidth()
+    rows = [bench_shape(op, m, d, params[d], device, copy.median_us) for m, d in SHAPES]
+    timed = [r for r in rows if "timings" in r]
+    ratios = [r["hot_ratio"]["triton"] for r in timed if "triton" in r["hot_ratio"]]
+    summary = {
+        "geomean_hot_ratio_to_triton": math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None,
+        "max_hot_ratio_to_triton": max(ratios) if ratios else None,
+        "hot_bandwidth_fraction": {f"{r['m']}x{r['d']}": r["hot_bandwidth_fraction"] for r in timed},
+        "all_gated": len(timed) == len(rows),
+    }
+    doc = {
+        "what": "tuned mage-gen layer norm vs torch and Triton (best num_warps), fp32, recorded by bench/layernorm.py",
+        "method": {
+            "gate": "fresh inputs, NaN-poisoned fenced output, rows 1, 37 and M, relative norm vs float64 ≤ 1e-5; "
+                    "peers gated on the timing inputs",
+            "hot": f"20 launches per CUDA graph, {ROUNDS} rounds × {PER_ROUND} replays interleaved with the peers, "
+                   "median per launch, spread = interquartile range",
+            "cold": f"256 MB written before each launch, {ROUNDS} rounds × {PER_ROUND} launches interleaved",
+            "copy_bandwidth": "torch device-to-device copy of 2 GiB, (read + write bytes) / time, median of 10",
+            "bandwidth_fraction": "bytes a layer norm must move (x read, y written once) / copy bandwidth / time",
+        },
+        "gpu": device.to_dict(), "nvrtc": nvrtc_version(), "mage_gen": __version__,
+        "torch": torch.__version__, "triton": __import__("triton").__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "copy_bandwidth_bytes_per_us": copy.to_dict(), "shapes": rows, "summary": summary,
+    }
+    out = Path("bench/results") / gpu_slug(device.name) / "layernorm.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(out, (json.dumps(doc, indent=1) + "\n").encode())
+    print(f"copy bandwidth {copy.median_us / 1e6:.3f} TB/s")
+    print(f"{'M×d':>11} {'kernel':48} {'hot':>7} {'triton':>7} {'torch':>7} {'ratio':>6} {'BW%':>5} {'cold':>7} {'tr.cold':>7}")
+    for r in rows:
+        if "timings" not in r:
+            print(f"{r['m']}x{r['d']:<6} {r['kernel']:48} FAILED GATE: {r['gate']['reason']}")
+            continue
+        t = r["timings"]
+        print(f"{r['m']:>5}x{r['d']:<5} {r['kernel']:48} {t['mage-gen']['hot']['median_us']:7.2f} "
+              f"{t.get('triton', {}).get('hot', {}).get('median_us', float('nan')):7.2f} "
+              f"{t.get('torch', {}).get('hot', {}).get('median_us', float('nan')):7.2f} "
+              f"{r['hot_ratio'].get('triton', float('nan')):6.3f} {100 * r['hot_bandwidth_fraction']:5.1f} "
+              f"{t['mage-gen']['cold']['median_us']:7.2f} {t.get('triton', {}).get('cold', {}).get('median_us', float('nan')):7.2f}")
+    print(json.dumps(summary))
+    print(f"wrote {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

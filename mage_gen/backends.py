@@ -1,0 +1,107 @@
+"""Where trial measurements come from: the GPU, or a file recorded on one (for tests on the CPU)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from mage_gen.measure import Bench, Evaluation, GateResult, gate, interleave
+from mage_gen.ops import Op
+from mage_gen.peers import make_peers
+from mage_gen.timing import Timing
+
+FINAL_ROUNDS = 5
+FINAL_PER_ROUND = 6
+
+
+class Backend(Protocol):
+    device: dict[str, Any]  # name, cc, sms, l2_bytes, driver
+    arch: str
+
+    def evaluate(self, variant: Any) -> Evaluation: ...
+
+    def final(self, variants: Sequence[Any], progress: Callable[[], None] | None = None
+              ) -> tuple[dict[str, dict[str, Timing]], dict[str, dict[str, Any]], dict[str, str]]:
+        """Re-gate the finalists and time them interleaved with the peers, hot and cold.
+        Returns ({kernel or peer name: {'hot': Timing, 'cold': Timing}}, {peer: config}, {name: why dropped})."""
+        ...
+
+
+class GpuBackend:
+    def __init__(self, op: Op, shape: Any, run: dict[str, int], seed: int | None = None):
+        self.op, self.shape, self.run = op, shape, run
+        self.bench = Bench(op, shape, run, seed)
+        self.device = self.bench.device.to_dict()
+        self.arch = self.bench.device.arch
+
+    def evaluate(self, variant: Any) -> Evaluation:
+        return self.bench.evaluate(variant)
+
+    def final(self, variants, progress=None):
+        subjects, kernels, dropped = [], [], {}
+        try:
+            for v in variants:
+                kernel = self.bench.load(v)
+                kernels.append(kernel)
+                result = gate(self.op, self.shape, v.params, kernel, self.run, self.bench.rng, self.bench.stream)
+                if result.passed:
+                    subjects.append(self.bench.subject(v, kernel))
+                else:
+                    dropped[v.source.kernel_name] = result.reason
+            inputs = self.op.make_inputs(self.shape, self.run, self.bench.rng)
+            reference = self.op.reference(self.shape, inputs, self.op.scalars(self.shape, self.run))
+            peers, missing = make_peers(self.op, self.shape, self.run, inputs, reference)
+            everyone = [*subjects, *peers]
+            hot = interleave(everyone, "hot", FINAL_ROUNDS, FINAL_PER_ROUND, progress)
+            cold = interleave(everyone, "cold", FINAL_ROUNDS, FINAL_PER_ROUND, progress)
+            timings = {s.name: {"hot": hot[s.name], "cold": cold[s.name]} for s in everyone}
+            return timings, {p.name: p.config for p in peers}, {**dropped, **missing}
+        finally:
+            for s in subjects:
+                s.close()
+            for k in kernels:
+                k.unload()
+
+
+class ReplayBackend:
+    """Answers from a bench/layernorm_trials.py recording: the tuner's logic tested without a GPU."""
+
+    def __init__(self, path: Path):
+        self.recording = json.loads(Path(path).read_text())
+        self.device = self.recording["gpu"]
+        self.arch = "sm_" + self.device["cc"].replace(".", "")
+        self._by_kernel = {r["kernel"]: r for r in self.recording["variants"]}
+        self.evaluated: list[str] = []  # what was measured, in order: tests assert on it
+
+    def _record(self, variant: Any) -> dict:
+        try:
+            return self._by_kernel[variant.source.kernel_name]
+        except KeyError:
+            raise KeyError(f"{variant.source.kernel_name} is not in the recording") from None
+
+    def evaluate(self, variant: Any) -> Evaluation:
+        self.evaluated.append(variant.source.kernel_name)
+        if variant.source.kernel_name not in self._by_kernel:
+            # A config the recording never measured (the space grew since): a failed trial, not a guess.
+            return Evaluation(GateResult(False, "replay: the recording has no measurement of this variant",
+                                         float("inf")))
+        r = self._record(variant)
+        g = r["gate"]
+        return Evaluation(GateResult(g["passed"], g["reason"], g["worst_error"]),
+                          Timing.from_dict(r["hot"]) if r["hot"] else None,
+                          Timing.from_dict(r["cold"]) if r["cold"] else None)
+
+    def final(self, variants, progress=None):
+        timings, dropped = {}, {}
+        for v in variants:
+            r = self._record(v)
+            if r["hot"]:
+                timings[r["kernel"]] = {"hot": Timing.from_dict(r["hot"]), "cold": Timing.from_dict(r["cold"])}
+            else:
+                dropped[r["kernel"]] = r["gate"]["reason"]
+        peers = self.recording.get("peers", {})
+        for name, p in peers.items():
+            timings[name] = {"hot": Timing.from_dict(p["hot"]), "cold": Timing.from_dict(p["cold"])}
+        return timings, {name: p.get("config", {}) for name, p in peers.items()}, dropped

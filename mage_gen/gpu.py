@@ -1,0 +1,194 @@
+"""The only module that talks to the CUDA driver (cuda.bindings.driver): context, memory, modules,
+launches, CUDA graphs and events. Every CUresult is checked and named in the error."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import numpy as np
+from cuda.bindings import driver as cu
+
+from mage_gen.errors import GpuError, NoGpuError
+
+NAN_BITS = 0x7FC00000  # the float32 quiet NaN that poisons outputs before a launch
+
+
+def _check(result: Any, call: str) -> Any:
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        _, name = cu.cuGetErrorName(err)
+        raise GpuError(f"{call} failed: {name.decode() if isinstance(name, bytes) else err}")
+    return values[0] if len(values) == 1 else tuple(values) if values else None
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    name: str
+    cc: tuple[int, int]
+    sms: int
+    l2_bytes: int
+    max_shared_per_block: int  # opt-in limit for dynamic shared memory
+    driver: str
+
+    @property
+    def arch(self) -> str:
+        return f"sm_{self.cc[0]}{self.cc[1]}"
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "cc": f"{self.cc[0]}.{self.cc[1]}", "sms": self.sms,
+                "l2_bytes": self.l2_bytes, "driver": self.driver}
+
+
+class Buffer:
+    """Device memory of `nbytes`; freed by `free()` (the context outlives every buffer of a run)."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.ptr = int(_check(cu.cuMemAlloc(max(nbytes, 4)), "cuMemAlloc"))
+
+    def upload(self, array: np.ndarray, offset_bytes: int = 0) -> None:
+        data = np.ascontiguousarray(array)
+        _check(cu.cuMemcpyHtoD(self.ptr + offset_bytes, data.ctypes.data, data.nbytes), "cuMemcpyHtoD")
+
+    def download(self, dtype: Any = np.float32) -> np.ndarray:
+        out = np.empty(self.nbytes // np.dtype(dtype).itemsize, dtype=dtype)
+        _check(cu.cuMemcpyDtoH(out.ctypes.data, self.ptr, out.nbytes), "cuMemcpyDtoH")
+        return out
+
+    def fill32(self, bits: int, stream: Any = 0, offset_bytes: int = 0, count: int | None = None) -> None:
+        count = (self.nbytes - offset_bytes) // 4 if count is None else count
+        _check(cu.cuMemsetD32Async(self.ptr + offset_bytes, bits, count, stream), "cuMemsetD32Async")
+
+    def free(self) -> None:
+        if self.ptr:
+            _check(cu.cuMemFree(self.ptr), "cuMemFree")
+            self.ptr = 0
+
+
+class Kernel:
+    """One entry of a loaded cubin."""
+
+    def __init__(self, cubin: bytes, name: str, dynamic_shared_bytes: int = 0):
+        self.name = name
+        self.module = _check(cu.cuModuleLoadData(cubin), f"cuModuleLoadData({name})")
+        self.function = _check(cu.cuModuleGetFunction(self.module, name.encode()), f"cuModuleGetFunction({name})")
+        if dynamic_shared_bytes > 48 * 1024:
+            _check(cu.cuFuncSetAttribute(
+                self.function, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                dynamic_shared_bytes), f"cuFuncSetAttribute({name}, max dynamic shared)")
+
+    def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], shared: int,
+               args: KernelArgs, stream: Any = 0) -> None:
+        _check(cu.cuLaunchKernel(self.function, *grid, *block, shared, stream, args.address, 0),
+               f"cuLaunchKernel({self.name})")
+
+    def unload(self) -> None:
+        if self.module is not None:
+            _check(cu.cuModuleUnload(self.module), "cuModuleUnload")
+            self.module = None
+
+
+class KernelArgs:
+    """Kernel parameters as the driver wants them: an array of pointers to each argument's value."""
+
+    _CTYPES = {"ptr": ctypes.c_uint64, "i32": ctypes.c_int32, "f32": ctypes.c_float}
+
+    def __init__(self, values: list[tuple[str, int | float]]):
+        self._values = [self._CTYPES[kind](value) for kind, value in values]  # kept alive with the array
+        self._array = (ctypes.c_void_p * max(len(self._values), 1))(
+            *[ctypes.addressof(v) for v in self._values])
+
+    @property
+    def address(self) -> int:
+        return ctypes.addressof(self._array)
+
+
+class Stream:
+    def __init__(self) -> None:
+        self.handle = _check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+
+    def synchronize(self) -> None:
+        _check(cu.cuStreamSynchronize(self.handle), "cuStreamSynchronize")
+
+    def capture(self, enqueue: Any) -> Graph:
+        """Record what `enqueue(stream_handle)` puts on this stream into a replayable graph."""
+        _check(cu.cuStreamBeginCapture(self.handle, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+               "cuStreamBeginCapture")
+        try:
+            enqueue(self.handle)
+        finally:
+            graph = _check(cu.cuStreamEndCapture(self.handle), "cuStreamEndCapture")
+        return Graph(graph)
+
+
+class Graph:
+    def __init__(self, graph: Any):
+        self.graph = graph
+        self.exec = _check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+
+    def launch(self, stream: Stream) -> None:
+        _check(cu.cuGraphLaunch(self.exec, stream.handle), "cuGraphLaunch")
+
+    def destroy(self) -> None:
+        _check(cu.cuGraphExecDestroy(self.exec), "cuGraphExecDestroy")
+        _check(cu.cuGraphDestroy(self.graph), "cuGraphDestroy")
+
+
+class EventPair:
+    """Device-side timing of what is enqueued between start() and stop()."""
+
+    def __init__(self) -> None:
+        self.begin = _check(cu.cuEventCreate(0), "cuEventCreate")
+        self.end = _check(cu.cuEventCreate(0), "cuEventCreate")
+
+    def start(self, stream: Stream) -> None:
+        _check(cu.cuEventRecord(self.begin, stream.handle), "cuEventRecord")
+
+    def stop(self, stream: Stream) -> None:
+        _check(cu.cuEventRecord(self.end, stream.handle), "cuEventRecord")
+
+    def elapsed_us(self) -> float:
+        _check(cu.cuEventSynchronize(self.end), "cuEventSynchronize")
+        return float(_check(cu.cuEventElapsedTime(self.begin, self.end), "cuEventElapsedTime")) * 1000.0
+
+
+def synchronize() -> None:
+    _check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
+
+
+@cache
+def open_device(ordinal: int = 0) -> DeviceInfo:
+    """Initialize the driver and make device `ordinal`'s primary context current (shared with torch)."""
+    try:
+        err, = cu.cuInit(0)
+    except RuntimeError as exc:  # no libcuda on this machine
+        raise NoGpuError(f"no CUDA driver on this machine ({exc}); timing needs an NVIDIA GPU") from None
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise NoGpuError(f"the CUDA driver did not initialize ({err.name}); timing needs an NVIDIA GPU")
+    if _check(cu.cuDeviceGetCount(), "cuDeviceGetCount") <= ordinal:
+        raise NoGpuError("the CUDA driver sees no GPU; timing needs an NVIDIA GPU")
+    device = _check(cu.cuDeviceGet(ordinal), "cuDeviceGet")
+    context = _check(cu.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
+    _check(cu.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+    attr = cu.CUdevice_attribute
+
+    def get(a: Any) -> int:
+        return int(_check(cu.cuDeviceGetAttribute(a, device), f"cuDeviceGetAttribute({a.name})"))
+
+    name = _check(cu.cuDeviceGetName(256, device), "cuDeviceGetName")
+    version = int(_check(cu.cuDriverGetVersion(), "cuDriverGetVersion"))
+    return DeviceInfo(
+        name=name.split(b"\0", 1)[0].decode(),
+        cc=(get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR), get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)),
+        sms=get(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
+        l2_bytes=get(attr.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE),
+        max_shared_per_block=get(attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
+        driver=f"{version // 1000}.{version % 1000 // 10}",
+    )
+
+
+def device_name() -> str:
+    return open_device().name

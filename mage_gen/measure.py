@@ -1,0 +1,268 @@
+"""Gate, then time. A variant is timed only after its output matched the float64 reference.
+
+Gate: fresh random inputs for every check, the output poisoned with NaN and fenced by guard regions,
+several run sizes; relative norm ‖out − ref‖ / ‖ref‖ against the op's tolerance; NaN never passes.
+Hot: launches captured in a CUDA graph and replayed, median per launch, inputs L2-warm.
+Cold: the L2 flushed by writing a buffer several times its size before each timed launch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any, Protocol
+
+import numpy as np
+
+from mage_gen import gpu
+from mage_gen.errors import GpuError
+from mage_gen.ops import Op
+from mage_gen.timing import Timing
+
+GUARD_FLOATS = 1024  # fenced on each side of every output
+GUARD_BITS = 0x7FBADBAD  # a NaN with a payload no kernel computes, so any write to the fence shows
+FLUSH_BYTES = 256 << 20  # over 4× the H200's 60 MB L2
+HOT_LAUNCHES_PER_GRAPH = 20
+
+
+@dataclass(frozen=True)
+class GateResult:
+    passed: bool
+    reason: str  # why it failed; empty when it passed
+    worst_error: float  # largest relative error over the runs (inf where a run failed outright)
+    errors: dict[int, float] = field(default_factory=dict)  # rows -> relative error
+
+    def to_dict(self) -> dict:
+        return {"passed": self.passed, "reason": self.reason, "worst_error": self.worst_error,
+                "errors": {str(k): v for k, v in self.errors.items()}}
+
+
+def relative_error(out: np.ndarray, ref: np.ndarray) -> float:
+    denom = float(np.linalg.norm(ref))
+    diff = float(np.linalg.norm(out.astype(np.float64) - ref))
+    return diff / denom if denom else diff
+
+
+class Bound:
+    """A kernel bound to device buffers for one run size: inputs uploaded, outputs fenced."""
+
+    def __init__(self, op: Op, shape: Any, params: Any, kernel: gpu.Kernel, run: dict[str, int],
+                 inputs: dict[str, np.ndarray]):
+        self.op, self.kernel, self.run = op, kernel, run
+        self.launch_geometry = op.geometry(shape, params, run)
+        self.inputs = inputs
+        self.output_shapes = op.output_shapes(shape, run)
+        self.buffers: dict[str, gpu.Buffer] = {}
+        try:
+            for name, array in inputs.items():
+                self.buffers[name] = gpu.Buffer(array.nbytes)
+                self.buffers[name].upload(array)
+            for name, out_shape in self.output_shapes.items():
+                self.buffers[name] = gpu.Buffer((int(np.prod(out_shape)) + 2 * GUARD_FLOATS) * 4)
+            scalars = op.scalars(shape, run)
+            values: list[tuple[str, int | float]] = []
+            for arg in op.args:
+                if arg.kind == "out":
+                    values.append(("ptr", self.buffers[arg.name].ptr + GUARD_FLOATS * 4))
+                elif arg.kind == "in":
+                    values.append(("ptr", self.buffers[arg.name].ptr))
+                else:
+                    values.append((arg.kind, scalars[arg.name]))
+            self.args = gpu.KernelArgs(values)
+        except Exception:
+            self.free()
+            raise
+
+    def poison(self, stream: gpu.Stream) -> None:
+        for name in self.output_shapes:
+            buf = self.buffers[name]
+            buf.fill32(GUARD_BITS, stream.handle)
+            buf.fill32(gpu.NAN_BITS, stream.handle, offset_bytes=GUARD_FLOATS * 4,
+                       count=buf.nbytes // 4 - 2 * GUARD_FLOATS)
+
+    def enqueue(self, stream_handle: Any) -> None:
+        g = self.launch_geometry
+        self.kernel.launch(g.grid, g.block, g.dynamic_shared_bytes, self.args, stream_handle)
+
+    def outputs(self) -> tuple[dict[str, np.ndarray], list[str]]:
+        """The outputs, and a complaint for every output whose fence was written."""
+        results, complaints = {}, []
+        for name, out_shape in self.output_shapes.items():
+            raw = self.buffers[name].download(np.uint32)
+            fence = np.concatenate([raw[:GUARD_FLOATS], raw[-GUARD_FLOATS:]])
+            if (changed := int(np.count_nonzero(fence != GUARD_BITS))):
+                complaints.append(f"wrote {changed} floats outside {name}")
+            results[name] = raw[GUARD_FLOATS:-GUARD_FLOATS].view(np.float32).reshape(out_shape)
+        return results, complaints
+
+    def free(self) -> None:
+        for buf in self.buffers.values():
+            buf.free()
+        self.buffers.clear()
+
+
+def check_outputs(op: Op, shape: Any, bound: Bound) -> tuple[float, str]:
+    """(relative error, reason it failed or '')."""
+    outputs, complaints = bound.outputs()
+    if complaints:
+        return float("inf"), "; ".join(complaints)
+    reference = op.reference(shape, bound.inputs, op.scalars(shape, bound.run))
+    worst = 0.0
+    for name, ref in reference.items():
+        out = outputs[name]
+        if (nans := np.argwhere(np.isnan(out))).size:
+            return float("inf"), (f"{name} has {len(nans)} NaN (first at {tuple(int(i) for i in nans[0])}): "
+                                  "unwritten or computed NaN")
+        err = relative_error(out, ref)
+        worst = max(worst, err)
+        if not err <= op.tolerance:
+            return err, f"{name} relative error {err:.3g} > tolerance {op.tolerance:g}"
+    return worst, ""
+
+
+def gate(op: Op, shape: Any, params: Any, kernel: gpu.Kernel, run: dict[str, int],
+         rng: np.random.Generator, stream: gpu.Stream) -> GateResult:
+    errors: dict[int, float] = {}
+    for gate_run in op.gate_runs(shape, run):
+        key = next(iter(gate_run.values()))
+        bound = None
+        try:
+            bound = Bound(op, shape, params, kernel, gate_run, op.make_inputs(shape, gate_run, rng))
+            bound.poison(stream)
+            bound.enqueue(stream.handle)
+            stream.synchronize()
+            err, reason = check_outputs(op, shape, bound)
+        except GpuError as exc:
+            return GateResult(False, f"{gate_run}: {exc}", float("inf"), errors)
+        finally:
+            if bound is not None:
+                bound.free()
+        errors[key] = err
+        if reason:
+            return GateResult(False, f"{gate_run}: {reason}", err, errors)
+    return GateResult(True, "", max(errors.values()), errors)
+
+
+# ---- timing ----
+
+class Subject(Protocol):
+    """Anything timed the same way: a generated kernel or a peer."""
+
+    name: str
+
+    def hot(self, replays: int) -> list[float]: ...
+    def cold(self, count: int) -> list[float]: ...
+    def close(self) -> None: ...
+
+
+@cache
+def flush_buffer() -> gpu.Buffer:
+    return gpu.Buffer(FLUSH_BYTES)
+
+
+class KernelSubject:
+    """A gated kernel bound to inputs of the tuned size, timed on its own stream."""
+
+    def __init__(self, name: str, bound: Bound, stream: gpu.Stream):
+        self.name, self.bound, self.stream = name, bound, stream
+        self.events = gpu.EventPair()
+        self._graph: gpu.Graph | None = None
+
+    def hot(self, replays: int) -> list[float]:
+        if self._graph is None:
+            self._graph = self.stream.capture(
+                lambda handle: [self.bound.enqueue(handle) for _ in range(HOT_LAUNCHES_PER_GRAPH)])
+            self._graph.launch(self.stream)  # warm-up: inputs into L2, code into the instruction cache
+        samples = []
+        for _ in range(replays):
+            self.events.start(self.stream)
+            self._graph.launch(self.stream)
+            self.events.stop(self.stream)
+            samples.append(self.events.elapsed_us() / HOT_LAUNCHES_PER_GRAPH)
+        return samples
+
+    def cold(self, count: int) -> list[float]:
+        flush = flush_buffer()
+        samples = []
+        for i in range(count):
+            flush.fill32(i, self.stream.handle)
+            self.events.start(self.stream)
+            self.bound.enqueue(self.stream.handle)
+            self.events.stop(self.stream)
+            samples.append(self.events.elapsed_us())
+        return samples
+
+    def close(self) -> None:
+        if self._graph is not None:
+            self._graph.destroy()
+            self._graph = None
+        self.bound.free()
+
+
+def interleave(subjects: Sequence[Subject], method: str, rounds: int, per_round: int,
+               progress: Callable[[], None] | None = None) -> dict[str, Timing]:
+    """Round-robin sampling, so drift in clocks or temperature falls on every subject alike."""
+    samples: dict[str, list[float]] = {s.name: [] for s in subjects}
+    for _ in range(rounds):
+        for subject in subjects:
+            take = subject.hot if method == "hot" else subject.cold
+            samples[subject.name].extend(take(per_round))
+            if progress:
+                progress()
+    return {name: Timing.from_samples(method, values) for name, values in samples.items()}
+
+
+# ---- one GPU, one op and size: what the tuner and the benches call ----
+
+@dataclass(frozen=True)
+class Evaluation:
+    gate: GateResult
+    hot: Timing | None = None  # None when the gate failed: a failed variant is never timed
+    cold: Timing | None = None
+
+    def to_dict(self) -> dict:
+        return {"gate": self.gate.to_dict(), "hot": self.hot.to_dict() if self.hot else None,
+                "cold": self.cold.to_dict() if self.cold else None}
+
+
+class Bench:
+    """Loads, gates and times variants of one op and size on the current GPU."""
+
+    def __init__(self, op: Op, shape: Any, run: dict[str, int], seed: int | None = None):
+        self.op, self.shape, self.run = op, shape, run
+        self.device = gpu.open_device()
+        self.stream = gpu.Stream()
+        self.rng = np.random.default_rng(seed)
+        self._timing_inputs: dict[str, np.ndarray] | None = None
+
+    def load(self, variant: Any) -> gpu.Kernel:
+        launch = self.op.geometry(self.shape, variant.params, self.run)
+        return gpu.Kernel(variant.compiled.cubin, variant.source.kernel_name, launch.dynamic_shared_bytes)
+
+    def subject(self, variant: Any, kernel: gpu.Kernel, name: str | None = None) -> KernelSubject:
+        # Every variant is timed on the same inputs (the gate draws fresh ones for every check).
+        if self._timing_inputs is None:
+            self._timing_inputs = self.op.make_inputs(self.shape, self.run, self.rng)
+        bound = Bound(self.op, self.shape, variant.params, kernel, self.run, self._timing_inputs)
+        return KernelSubject(name or variant.source.kernel_name, bound, self.stream)
+
+    def evaluate(self, variant: Any, hot_replays: int = 10, cold_count: int = 10) -> Evaluation:
+        try:
+            kernel = self.load(variant)
+        except GpuError as exc:
+            return Evaluation(GateResult(False, f"load: {exc}", float("inf")))
+        try:
+            result = gate(self.op, self.shape, variant.params, kernel, self.run, self.rng, self.stream)
+            if not result.passed:
+                return Evaluation(result)
+            subject = self.subject(variant, kernel)
+            try:
+                return Evaluation(result, Timing.from_samples("hot", subject.hot(hot_replays)),
+                                  Timing.from_samples("cold", subject.cold(cold_count)))
+            finally:
+                subject.close()
+        except GpuError as exc:
+            return Evaluation(GateResult(False, f"timing: {exc}", float("inf")))
+        finally:
+            kernel.unload()

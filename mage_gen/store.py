@@ -1,0 +1,204 @@
+"""Tuned winners, one file per (GPU, op): tuned/<gpu slug>/<op>.json, one entry per shape key.
+
+    {"format": 1, "op": "layernorm", "gpu": "NVIDIA H200",
+     "entries": {"d=768/float32": {"params": {...}, "timings": {...}, ...}}}
+
+The tuner builds the entries; this module only checks that one carries what emit and bench need, and
+writes the file so that a reader never sees half of it. A file it cannot read is reported, never
+replaced: it may hold hours of tuning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+from dataclasses import dataclass, fields
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from mage_gen.errors import ConfigError, MageError, StoreError
+from mage_gen.ops import Op
+from mage_gen.timing import Timing
+
+FORMAT = 1
+# What every entry must carry: what was built and from which template version, how it was judged and
+# timed, against whom, on which GPU, and with which tools.
+REQUIRED_KEYS = ("shape", "params", "kernel", "template", "template_hash", "objective", "timings", "peers",
+                 "census", "gpu", "nvrtc", "mage_gen", "date")
+REQUIRED_GPU_KEYS = ("name", "cc", "driver", "sms", "l2_bytes")
+TIMING_KINDS = ("hot", "cold")
+_DICT_KEYS = ("shape", "params", "timings", "peers", "census", "gpu")
+_TIMING_FIELDS = frozenset(f.name for f in fields(Timing))
+# Words every NVIDIA device name carries that say nothing about which GPU it is.
+_BRAND_WORDS = frozenset({"nvidia", "geforce"})
+
+
+@dataclass(frozen=True)
+class Winner:
+    params: Any  # the op's Params, rebuilt from the entry
+    entry: dict[str, Any]
+    path: Path
+
+
+def tuned_dir() -> Path:
+    override = os.environ.get("MAGE_GEN_TUNED")
+    return Path(override) if override else Path.cwd() / "tuned"
+
+
+def gpu_slug(name: str) -> str:
+    """'NVIDIA H200' -> 'h200', 'NVIDIA GeForce RTX 4090' -> 'rtx-4090': a folder name per GPU model."""
+    words = [w for w in re.split(r"[^a-z0-9]+", name.lower()) if w and w not in _BRAND_WORDS]
+    if not words:
+        raise MageError(f"gpu: cannot name a tuned/ folder after GPU name {name!r}; give the device's name, "
+                          "e.g. --gpu 'NVIDIA H200'")
+    return "-".join(words)
+
+
+def store_file(op_name: str, gpu_name: str, directory: Path | None = None) -> Path:
+    return (directory or tuned_dir()) / gpu_slug(gpu_name) / f"{op_name}.json"
+
+
+def save_entry(op_name: str, gpu_name: str, shape_key: str, entry: dict[str, Any],
+               directory: Path | None = None) -> Path:
+    """Add or replace one entry; the file's other entries are kept as they were."""
+    path = store_file(op_name, gpu_name, directory)
+    _check_entry(entry, f"entry {shape_key} for {path} (not written)")
+    doc = _read(path, op_name) if path.exists() else {"format": FORMAT, "op": op_name, "gpu": gpu_name,
+                                                     "entries": {}}
+    doc["entries"][shape_key] = entry
+    # Serialise before touching the disk, so an entry JSON cannot hold fails with the old file in place.
+    text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, text.encode())
+    except OSError as exc:
+        raise StoreError(f"cannot write {path}: {exc.strerror or exc}") from None
+    return path
+
+
+def load_entry(op_name: str, gpu_name: str, shape_key: str, current_template_hash: str | None = None,
+               directory: Path | None = None) -> dict[str, Any]:
+    """The stored winner for a shape; with current_template_hash, refuses one made from other templates."""
+    path = store_file(op_name, gpu_name, directory)
+    tune = _tune_command(op_name, shape_key)
+    remedy = f"run `{tune}` on this GPU, or pass --config"
+    if not path.exists():
+        raise StoreError(f"no tuned {op_name} kernels for {gpu_name} ({path} does not exist): {remedy}")
+    entries = _read(path, op_name)["entries"]
+    if shape_key not in entries:
+        have = ", ".join(sorted(entries)[:5]) or "none"
+        raise StoreError(f"{path} has no entry for {shape_key} (it has: {have}): {remedy}")
+    entry = entries[shape_key]
+    _check_entry(entry, f"{path}: entry {shape_key}", fix=f"re-run `{tune}` on this GPU, or pass --config")
+    if current_template_hash is not None and entry["template_hash"] != current_template_hash:
+        raise StoreError(f"{path}: entry {shape_key} is stale: made from another template version "
+                         f"(hash {entry['template_hash']}, templates now {current_template_hash}): {remedy}")
+    return entry
+
+
+def load_winner(op: Op, shape: Any, gpu_name: str, directory: Path | None = None) -> Winner:
+    """The stored winner's params, refused when the templates changed since it was tuned."""
+    key = op.shape_key(shape)
+    path = store_file(op.name, gpu_name, directory)
+    stored = load_entry(op.name, gpu_name, key, directory=directory)
+    try:
+        params = op.params_from_dict(stored["params"])
+        current = op.source(shape, params).template_hash
+    except ConfigError as exc:
+        raise StoreError(f"{path}: entry {key} holds params this mage-gen cannot build ({exc}); "
+                         f"run `{_tune_command(op.name, key)}` on this GPU, or pass --config") from None
+    # Read again with the hash: the check that refuses a stale entry is load_entry's alone.
+    entry = load_entry(op.name, gpu_name, key, current_template_hash=current, directory=directory)
+    return Winner(params=op.params_from_dict(entry["params"]), entry=entry, path=path)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write beside path, fsync, then rename over it: a reader sees the old file or the new one."""
+    scratch = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    # os.open with 0o666 lets the umask decide the mode, as a plain open() would (mkstemp forces 0600).
+    fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(scratch, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(scratch)
+        raise
+    _sync_folder(path.parent)
+
+
+def _sync_folder(folder: Path) -> None:
+    # The rename is durable only once the folder is on disk too; some filesystems cannot fsync a folder.
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _read(path: Path, op_name: str) -> dict[str, Any]:
+    def corrupt(why: str) -> StoreError:
+        return StoreError(f"{path} is corrupt ({why}); fix it or remove it (mage-gen will not overwrite it)")
+
+    try:
+        doc = json.loads(path.read_text())
+    except OSError as exc:
+        raise StoreError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise corrupt(f"not JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise corrupt("not a JSON object")
+    if doc.get("format") != FORMAT:
+        raise corrupt(f"format {doc.get('format')!r}, expected {FORMAT}")
+    if doc.get("op") != op_name:
+        raise corrupt(f"op {doc.get('op')!r}, expected {op_name!r}")
+    if not isinstance(doc.get("entries"), dict):
+        raise corrupt("'entries' is not an object")
+    return doc
+
+
+def _check_entry(entry: Any, where: str, fix: str = "the tuner must fill it in") -> None:
+    def bad(why: str) -> StoreError:
+        return StoreError(f"{where} {why}; {fix}")
+
+    if not isinstance(entry, dict):
+        raise bad("is not an object")
+    missing = [key for key in REQUIRED_KEYS if key not in entry]
+    if missing:
+        raise bad(f"lacks required key(s) {', '.join(missing)}")
+    not_dicts = [key for key in _DICT_KEYS if not isinstance(entry[key], dict)]
+    if not_dicts:
+        raise bad(f"has non-object {', '.join(not_dicts)}")
+    missing_gpu = [key for key in REQUIRED_GPU_KEYS if key not in entry["gpu"]]
+    if missing_gpu:
+        raise bad(f"lacks gpu key(s) {', '.join(missing_gpu)}")
+    for kind in TIMING_KINDS:
+        timing = entry["timings"].get(kind)
+        if not isinstance(timing, dict) or not _TIMING_FIELDS <= set(timing):
+            raise bad(f"has no usable {kind} timing (needs {', '.join(sorted(_TIMING_FIELDS))})")
+    if not isinstance(entry["date"], str) or not _is_iso_date(entry["date"]):
+        raise bad(f"has date {entry['date']!r}, not an ISO 8601 string")
+
+
+def _is_iso_date(text: str) -> bool:
+    try:
+        datetime.fromisoformat(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _tune_command(op_name: str, shape_key: str) -> str:
+    """'d=768/float32' -> 'mage-gen tune layernorm --d 768': the sizes of a key are the tune flags."""
+    sizes = shape_key.split("/")[0]
+    flags = [f"--{name} {value}" for name, sep, value in (part.partition("=") for part in sizes.split(","))
+             if sep]
+    return " ".join(["mage-gen", "tune", op_name, *flags])

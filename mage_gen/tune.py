@@ -1,0 +1,277 @@
+"""The search: Optuna trials mapped to an op's params and back.
+
+Exhaustive when the valid space is small, TPE otherwise. Infeasible suggestions are rejected before the
+compiler and do not use up the trial budget; a config already measured (in this run or an earlier one
+of the same study) is answered from the study, not measured again; a failed compile or gate is a failed
+trial with its reason. Finalists are re-timed interleaved with the peers, and a winner that does not
+beat the runner-up by more than their spread is a tie, broken by fewer registers, then fewer threads.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import optuna
+import platformdirs
+
+from mage_gen import __version__
+from mage_gen.backends import Backend
+from mage_gen.compile import nvrtc_version
+from mage_gen.errors import CompileError, ConfigError, MageError
+from mage_gen.ops import Op
+from mage_gen.space import Space, expand
+from mage_gen.timing import Timing
+from mage_gen.variants import Variant, build, build_all
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)  # the CLI reports progress itself
+
+EXHAUSTIVE_LIMIT = 64
+DEFAULT_TPE_TRIALS = 96
+FINALISTS = 5
+_STALLS_BEFORE_FILL = 3  # proposals in a row that measure nothing before an unmeasured config is enqueued
+_ASK_LIMIT = 50  # proposals per config of budget: past it the study is broken (waiting trials piling up)
+
+
+@dataclass(frozen=True)
+class Finalist:
+    name: str  # kernel name
+    params: Any
+    registers: int
+    threads: int
+    hot: Timing
+    cold: Timing
+    census: dict[str, Any]
+    template: str
+    template_hash: str
+
+    def timing(self, objective: str) -> Timing:
+        return self.hot if objective == "hot" else self.cold
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A measured config as the study remembers it: its objective value, or why it failed."""
+
+    trial: int
+    value: float | None
+    kernel: str
+    reason: str
+
+    @classmethod
+    def of(cls, t: optuna.trial.FrozenTrial) -> Outcome:
+        ok = t.state == optuna.trial.TrialState.COMPLETE
+        return cls(trial=t.number, value=t.value if ok else None, kernel=t.user_attrs.get("kernel", "?"),
+                   reason="" if ok else t.user_attrs.get("reason", "failed"))
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    study: str
+    sampler: str
+    valid: int
+    rejected: int
+    measured: int  # configs measured by this run
+    reused: int  # configs measured by earlier runs of the study, not measured again
+    failed: dict[str, str]  # kernel -> reason, over the whole study
+    winner: Finalist
+    runner_ups: list[Finalist]
+    tie: bool
+    tied_with: list[str]
+    peers: dict[str, dict[str, Any]]  # name -> {'hot': Timing, 'cold': Timing, 'config': {...}}
+    dropped: dict[str, str] = field(default_factory=dict)
+
+    def entry(self, op: Op, shape: Any, run: dict[str, int], device: dict[str, Any], objective: str) -> dict[str, Any]:
+        """The tuned/ record of this result, provenance included."""
+        w = self.winner
+        return {
+            "shape": vars(shape), "run": run, "dtype": "float32", "params": op.params_to_dict(w.params),
+            "kernel": w.name, "template": w.template, "template_hash": w.template_hash, "objective": objective,
+            "timings": {"hot": w.hot.to_dict(), "cold": w.cold.to_dict()},
+            "peers": {name: {"hot": p["hot"].to_dict(), "cold": p["cold"].to_dict(), "config": p["config"]}
+                      for name, p in self.peers.items()},
+            "tie": self.tie, "tied_with": self.tied_with,
+            "runner_ups": [{"kernel": f.name, "params": op.params_to_dict(f.params), "registers": f.registers,
+                            "hot": f.hot.to_dict(), "cold": f.cold.to_dict()} for f in self.runner_ups],
+            "census": w.census, "gpu": device, "nvrtc": nvrtc_version(), "mage_gen": __version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "study": self.study, "search": {"sampler": self.sampler, "valid": self.valid, "rejected": self.rejected,
+                                             "measured": self.measured, "reused": self.reused,
+                                             "failed": len(self.failed)},
+        }
+
+
+def default_storage() -> str:
+    folder = Path(platformdirs.user_data_dir("mage-gen"))
+    folder.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{folder / 'studies.db'}"
+
+
+def params_key(op: Op, params: Any) -> str:
+    return json.dumps(op.params_to_dict(params), sort_keys=True)
+
+
+def _open_study(name: str, storage: str, sampler: optuna.samplers.BaseSampler, identity: dict[str, Any]
+                ) -> optuna.Study:
+    try:
+        study = optuna.create_study(study_name=name, storage=storage, sampler=sampler, direction="minimize",
+                                    load_if_exists=True)
+    except Exception as exc:  # SQLAlchemy and Optuna raise many kinds for a bad or unreachable URL
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise MageError(f"storage: cannot open Optuna storage {storage!r} ({first_line}); "
+                        "give a reachable database URL with --storage") from None
+    stored = study.user_attrs.get("identity")
+    if stored is None:
+        study.set_user_attr("identity", identity)
+    elif stored != identity:
+        raise ConfigError(f"study: study {name!r} belongs to {stored}, not {identity}; "
+                          "choose another --study name")
+    return study
+
+
+def tune(op: Op, shape: Any, run: dict[str, int], space: Space, backend: Backend, *, objective: str = "hot",
+         trials: int | None = None, storage: str | None = None, study_name: str | None = None, seed: int = 0,
+         progress: Callable[[str, int, int], None] | None = None) -> TuneResult:
+    if objective not in ("hot", "cold"):
+        raise ConfigError(f"objective: must be 'hot' or 'cold', got {objective!r}")
+    valid, rejected = expand(op, shape, space)
+    if not valid:
+        raise ConfigError(f"space: no config of preset {space.preset} is valid for {op.name} {vars(shape)}; "
+                          f"first rejection: {rejected[0][1] if rejected else 'none'}")
+    exhaustive = len(valid) <= EXHAUSTIVE_LIMIT
+    budget = min(trials or (len(valid) if exhaustive else DEFAULT_TPE_TRIALS), len(valid))  # configs in all
+    sampler = optuna.samplers.TPESampler(seed=seed) if not exhaustive else optuna.samplers.RandomSampler(seed=seed)
+    axes = {axis: list(values) for axis, values in space.axes}
+    # Optuna cannot reopen a study whose categorical choices changed: the space is part of its identity.
+    space_id = hashlib.sha256(json.dumps(axes, sort_keys=True).encode()).hexdigest()[:8]
+    identity = {"op": op.name, "shape": vars(shape), "run": run, "objective": objective, "arch": backend.arch,
+                "gpu": backend.device["name"], "preset": space.preset, "space": space_id}
+    name = study_name or "{op}-{shape}-m{m}-{gpu}-{arch}-{objective}-{preset}-{space}".format(
+        op=op.name, shape=op.slug(shape), m="x".join(map(str, run.values())), objective=objective,
+        gpu=backend.device["name"].replace(" ", "_"), arch=backend.arch, preset=space.preset, space=space_id)
+    study = _open_study(name, storage or default_storage(), sampler, identity)
+    distributions = {axis: optuna.distributions.CategoricalDistribution(values) for axis, values in space.axes}
+
+    valid_keys = {params_key(op, p): p for p in valid}
+    hashes = {k: op.source(shape, p).template_hash for k, p in valid_keys.items()}
+    done: dict[str, Outcome] = {}
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)):
+        key = t.user_attrs.get("params_key")
+        # A result measured from another template version is stale: that config is measured again.
+        if key in valid_keys and t.user_attrs.get("template_hash") == hashes[key]:
+            done.setdefault(key, Outcome.of(t))
+    from_earlier_runs = len(done)
+    unmeasured = [k for k in valid_keys if k not in done]
+    if exhaustive:
+        # Compile what will be measured up front, in parallel; each trial then finds it in the cache.
+        build_all(op, shape, [valid_keys[k] for k in unmeasured[:budget - len(done)]], backend.arch)
+    fill = random.Random(seed)
+
+    measured = stalls = asks = 0
+    # The budget counts every config the study has measured, so a rerun finishes an interrupted search.
+    while len(done) < budget:
+        asks += 1
+        if asks > _ASK_LIMIT * budget:
+            raise MageError(f"tune: study {name} made {asks} proposals without reaching {budget} configs; "
+                            "start a new one with --study NAME")
+        if exhaustive or stalls >= _STALLS_BEFORE_FILL:
+            # In order when exhaustive; when TPE keeps proposing measured or rejected configs, an unmeasured one.
+            remaining = [k for k in unmeasured if k not in done]
+            study.enqueue_trial(json.loads(remaining[0] if exhaustive else fill.choice(remaining)))
+            stalls = 0
+        trial = study.ask(distributions)
+        params = op.params_from_dict(dict(trial.params))
+        key = params_key(op, params)
+        if key not in valid_keys:
+            try:
+                op.validate(shape, params)
+                reason = "not in the preset's valid set"
+            except ConfigError as exc:
+                reason = str(exc)
+            trial.set_user_attr("rejected", reason)
+            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+            stalls += 1
+            continue
+        if key in done:
+            earlier = done[key]
+            trial.set_user_attr("repeat_of", earlier.trial)
+            if earlier.value is None:
+                study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            else:
+                study.tell(trial, earlier.value)
+            stalls += 1
+            continue
+        trial.set_user_attr("params_key", key)
+        trial.set_user_attr("template_hash", hashes[key])
+        value, kernel, reason = _measure(op, shape, params, backend, trial, objective)
+        if value is None:
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        else:
+            study.tell(trial, value)
+        done[key] = Outcome(trial=trial.number, value=value, kernel=kernel, reason=reason)
+        measured += 1
+        stalls = 0
+        if progress:
+            progress("trials", len(done), budget)
+
+    return _finish(op, shape, study, done, valid, rejected, backend, objective, measured, from_earlier_runs,
+                   "exhaustive" if exhaustive else "tpe", progress)
+
+
+def _measure(op: Op, shape: Any, params: Any, backend: Backend, trial: optuna.Trial, objective: str
+             ) -> tuple[float | None, str, str]:
+    """(objective value or None, kernel name, why it failed); everything learned goes on the trial."""
+    kernel = op.kernel_name(shape, params)
+    trial.set_user_attr("kernel", kernel)
+    try:
+        variant = build(op, shape, params, backend.arch)
+    except (CompileError, ConfigError) as exc:
+        reason = f"compile: {str(exc).splitlines()[0]}"
+        trial.set_user_attr("reason", reason)
+        return None, kernel, reason
+    trial.set_user_attr("census", variant.census.to_dict())
+    evaluation = backend.evaluate(variant)
+    trial.set_user_attr("gate", evaluation.gate.to_dict())
+    if not evaluation.gate.passed:
+        reason = f"gate: {evaluation.gate.reason}"
+        trial.set_user_attr("reason", reason)
+        return None, kernel, reason
+    trial.set_user_attr("hot", evaluation.hot.to_dict())
+    trial.set_user_attr("cold", evaluation.cold.to_dict())
+    return (evaluation.hot if objective == "hot" else evaluation.cold).median_us, kernel, ""
+
+
+def _finish(op, shape, study, done, valid, rejected, backend, objective, measured, reused, sampler, progress):
+    completed = sorted((k for k, o in done.items() if o.value is not None), key=lambda k: done[k].value)
+    failed = {o.kernel: o.reason for o in done.values() if o.value is None}
+    if not completed:
+        raise MageError(f"tune: every measured variant failed; first failure: {next(iter(failed.values()), '?')}")
+    finalists: list[Variant] = [build(op, shape, op.params_from_dict(json.loads(k)), backend.arch)
+                                for k in completed[:FINALISTS]]
+    if progress:
+        progress("final", 0, len(finalists))
+    timings, peer_configs, dropped = backend.final(finalists)
+    ranked = [
+        Finalist(name=v.source.kernel_name, params=v.params, registers=v.census.registers,
+                 threads=op.geometry(shape, v.params, {k: 1 for k in op.run_dims}).threads,
+                 hot=timings[v.source.kernel_name]["hot"], cold=timings[v.source.kernel_name]["cold"],
+                 census=v.census.to_dict(), template=v.source.template, template_hash=v.source.template_hash)
+        for v in finalists if v.source.kernel_name in timings
+    ]
+    if not ranked:
+        raise MageError(f"tune: every finalist failed its second gate: {dropped}")
+    ranked.sort(key=lambda f: f.timing(objective).median_us)
+    fastest = ranked[0]
+    tied = [f for f in ranked if f.timing(objective).ties_with(fastest.timing(objective))]
+    winner = min(tied, key=lambda f: (f.registers, f.threads, f.timing(objective).median_us))
+    peers = {name: {**timings[name], "config": peer_configs.get(name, {})} for name in peer_configs}
+    return TuneResult(
+        study=study.study_name, sampler=sampler, valid=len(valid), rejected=len(rejected), measured=measured,
+        reused=reused, failed=failed, winner=winner, runner_ups=[f for f in ranked if f is not winner],
+        tie=len(tied) > 1, tied_with=[f.name for f in tied if f is not winner], peers=peers, dropped=dropped)

@@ -1,0 +1,64 @@
+"""On the GPU: every generated layer-norm variant computes layer norm. Skipped without a CUDA driver."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mage_gen import gpu
+from mage_gen.errors import NoGpuError
+from mage_gen.measure import Bench, gate
+from mage_gen.ops import get_op
+from mage_gen.space import expand, load_space
+from mage_gen.variants import build
+
+pytestmark = pytest.mark.gpu
+OP = get_op("layernorm")
+FULL = load_space(OP, "full")
+
+
+@pytest.fixture(scope="module")
+def device():
+    try:
+        return gpu.open_device()
+    except NoGpuError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def stream(device):
+    return gpu.Stream()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_drawn_variants_match_the_float64_reference(device, stream, data):
+    d = data.draw(st.one_of(st.integers(1, 1024), st.integers(1, 16384)), label="d")
+    shape = OP.shape(d=d)
+    valid, _ = expand(OP, shape, FULL)
+    params = data.draw(st.sampled_from(valid), label="params")
+    m = data.draw(st.integers(1, 5000), label="m")
+    variant = build(OP, shape, params, device.arch)
+    kernel = gpu.Kernel(variant.compiled.cubin, variant.source.kernel_name)
+    try:
+        result = gate(OP, shape, params, kernel, {"m": m}, np.random.default_rng(data.draw(st.integers(0, 2**32 - 1))),
+                      stream)
+    finally:
+        kernel.unload()
+    assert result.passed, f"{variant.source.kernel_name} m={m}: {result.reason}"
+    assert result.worst_error < OP.tolerance
+
+
+def test_timings_are_positive_and_grow_with_the_problem(device):
+    shape = OP.shape(d=1024)
+    variant = build(OP, shape, OP.params_type(template="row", threads=128, vector=4), device.arch)
+    small = Bench(OP, shape, {"m": 1024}, seed=1).evaluate(variant)
+    large = Bench(OP, shape, {"m": 65536}, seed=2).evaluate(variant)
+    for ev in (small, large):
+        assert ev.gate.passed, ev.gate.reason
+        for t in (ev.hot, ev.cold):
+            assert math.isfinite(t.median_us) and t.median_us > 0 and t.spread_us >= 0
+    assert large.hot.median_us > 4 * small.hot.median_us  # 64× the rows cannot cost under 4× the time
+    assert large.cold.median_us > small.cold.median_us

@@ -1,0 +1,511 @@
+"""The tuner's logic on the CPU: ReplayBackend answers every measurement from timings recorded on an H200
+by bench/layernorm_trials.py, so the sampler, dedupe, resume, failures and the tie rule run as they
+would on the GPU. Variants are still really compiled (into the session's private cache): registers
+and template hashes are real.
+
+The searches run over the quick preset as far as the recording holds it (a recording made before an
+axis was added holds only that axis's default) and over small corners of it. Where a test needs content
+the recording lacks (a tie, a failed gate), it writes a modified copy of the recording into its tmp_path
+and says so.
+"""
+
+import collections
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+import pytest
+
+from mage_gen import tune as tune_module
+from mage_gen.backends import ReplayBackend
+from mage_gen.errors import CompileError, ConfigError, MageError
+from mage_gen.ops import get_op
+from mage_gen.ops.layernorm import LayerNorm
+from mage_gen.space import Space, expand, load_space
+from mage_gen.store import load_entry, load_winner, save_entry
+from mage_gen.timing import Timing
+from mage_gen.tune import EXHAUSTIVE_LIMIT, FINALISTS, tune
+from mage_gen.variants import build_all
+
+RECORDING = Path(__file__).parent / "fixtures" / "layernorm_trials_h200_d768_m4096.json"
+RECORD_COMMAND = ("python bench/layernorm_trials.py --d 768 --m 4096 --preset quick "
+                  "--out tests/fixtures/layernorm_trials_h200_d768_m4096.json")
+H200 = "NVIDIA H200"
+OP = get_op("layernorm")
+SHAPE = OP.shape(d=768)
+RUN = {"m": 4096}
+QUICK = load_space(OP, "quick")
+
+
+# ---- the recording ----
+
+@pytest.fixture(scope="session")
+def recording_path() -> Path:
+    if not RECORDING.is_file():
+        pytest.fail(f"{RECORDING} is missing: these tests replay timings recorded on an H200. Record it there "
+                    f"with `{RECORD_COMMAND}` and commit it.", pytrace=False)
+    return RECORDING
+
+
+@pytest.fixture(scope="session")
+def recording_doc(recording_path) -> dict:
+    return json.loads(recording_path.read_text())
+
+
+@pytest.fixture
+def recording(recording_doc) -> dict:
+    """A private copy of the recording, free to modify into a derived one."""
+    return copy.deepcopy(recording_doc)
+
+
+# ---- search spaces: the quick preset, as far as the recording holds it ----
+
+@pytest.fixture(scope="session")
+def recorded(recording_doc) -> Space:
+    """The quick preset narrowed to the axis values the recording holds (a recording made before an axis
+    existed holds only that axis's default), so that ReplayBackend can answer every config in it."""
+    held = [OP.params_to_dict(OP.params_from_dict(r["params"])) for r in recording_doc["variants"]]
+    axes = tuple((axis, tuple(v for v in values if any(h[axis] == v for h in held))) for axis, values in QUICK.axes)
+    return Space(op=OP.name, preset="quick-as-recorded", axes=axes)
+
+
+def corner(space: Space, name: str, **axes) -> Space:
+    """A corner of space: the axes given narrowed to those values, every other axis to its first value."""
+    narrowed = []
+    for axis, values in space.axes:
+        keep = axes.pop(axis, values[:1])
+        assert set(keep) <= set(values), f"{axis}={keep} leaves {space.preset}"
+        narrowed.append((axis, tuple(keep)))
+    assert not axes, f"unknown axes {axes}"
+    return Space(op=OP.name, preset=name, axes=tuple(narrowed))
+
+
+@pytest.fixture(scope="session")
+def small(recorded) -> Space:
+    """Small enough to search exhaustively, with combinations the op rejects (multirow with one row, ...)."""
+    return corner(recorded, "small", template=("row", "multirow", "wide"), threads=(64, 128, 192),
+                  vector=(2, 4), rows_per_block=(1, 2))
+
+
+@pytest.fixture(scope="session")
+def wide(recorded) -> Space:
+    """Six wide variants: the v2 and v4 ones differ in registers, and within each the thread count differs."""
+    return corner(recorded, "wide", template=("wide",), threads=(32, 64, 128), vector=(2, 4))
+
+
+def write_derived(tmp_path: Path, doc: dict) -> Path:
+    path = tmp_path / "derived_recording.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def by_kernel(doc: dict) -> dict[str, dict]:
+    return {r["kernel"]: r for r in doc["variants"]}
+
+
+def timed(record: dict, median: float, spread: float) -> None:
+    """Make a recorded variant pass its gate with these hot timings (cold: twice as slow)."""
+    record["gate"] = {"passed": True, "reason": "", "worst_error": 1e-7, "errors": {}}
+    for method, scale in (("hot", 1.0), ("cold", 2.0)):
+        record[method] = Timing(method=method, samples=20, median_us=median * scale, spread_us=spread * scale,
+                                min_us=(median - spread) * scale).to_dict()
+
+
+def kernels(params_list) -> list[str]:
+    return [OP.kernel_name(SHAPE, p) for p in params_list]
+
+
+class Recorder(ReplayBackend):
+    """ReplayBackend that also notes which variants the tuner sent to the final round."""
+
+    def __init__(self, path: Path):
+        super().__init__(path)
+        self.finalists: list[str] = []
+
+    def final(self, variants, progress=None):
+        self.finalists = [v.source.kernel_name for v in variants]
+        return super().final(variants, progress)
+
+
+def sqlite(folder: Path) -> str:
+    return f"sqlite:///{folder / 'studies.db'}"
+
+
+def run_tune(backend, space: Space, storage_dir: Path, **options):
+    return tune(OP, SHAPE, RUN, space, backend, storage=sqlite(storage_dir), **options)
+
+
+def hot_median(doc: dict, kernel: str) -> float | None:
+    record = by_kernel(doc)[kernel]
+    return record["hot"]["median_us"] if record["hot"] else None
+
+
+def test_recording_is_of_an_h200_and_answers_every_test_space(recording_doc, recorded, small, wide):
+    doc = recording_doc
+    assert doc["gpu"]["name"] == H200 and doc["gpu"]["cc"] == "9.0"
+    held = by_kernel(doc)
+    for space in (recorded, small, wide):
+        valid, _ = expand(OP, SHAPE, space)
+        assert valid and set(kernels(valid)) <= set(held), space.preset
+    assert len(expand(OP, SHAPE, recorded)[0]) > EXHAUSTIVE_LIMIT  # TPE has something to search
+    for k, r in held.items():
+        assert bool(r["hot"]) == bool(r["cold"]) == r["gate"]["passed"], k  # a failed variant is never timed
+    assert any(r["gate"]["passed"] for r in held.values())
+
+
+def test_a_config_the_recording_lacks_is_a_failed_trial_not_a_guess(recording_path, recorded, tmp_path):
+    # one_pass statistics were added to the space after the recording was made: ReplayBackend has no figure
+    space = corner(QUICK, "with-unrecorded", threads=(64, 128), vector=(2,), stats=("two_pass", "one_pass"))
+    valid, _ = expand(OP, SHAPE, space)
+    unrecorded = [k for k in kernels(valid) if k.endswith("_onepass")]
+    assert unrecorded and len(valid) <= EXHAUSTIVE_LIMIT
+    result = run_tune(Recorder(recording_path), space, tmp_path, study_name="gaps")
+    for kernel in unrecorded:
+        assert result.failed[kernel].startswith("gate: replay: the recording has no measurement")
+    assert not result.winner.name.endswith("_onepass")
+
+
+# ---- the sampler ----
+
+@pytest.fixture(scope="module")
+def small_run(recording_path, small, tmp_path_factory):
+    """One exhaustive search of small, shared by the tests that only read its result."""
+    folder = tmp_path_factory.mktemp("small")
+    backend = Recorder(recording_path)
+    return backend, run_tune(backend, small, folder, study_name="small"), folder
+
+
+@pytest.fixture(scope="module")
+def tpe_run(recording_path, recorded, tmp_path_factory):
+    """One TPE search of the recorded quick preset with a budget of 10, shared likewise."""
+    folder = tmp_path_factory.mktemp("tpe")
+    backend = Recorder(recording_path)
+    return backend, run_tune(backend, recorded, folder, study_name="tpe", trials=10), folder
+
+
+def test_small_space_is_exhaustive_each_valid_config_measured_once(small_run, small):
+    backend, result, _ = small_run
+    valid, rejected = expand(OP, SHAPE, small)
+    assert 0 < len(valid) <= EXHAUSTIVE_LIMIT and rejected
+    assert result.sampler == "exhaustive"
+    assert collections.Counter(backend.evaluated) == collections.Counter(kernels(valid))
+    assert (result.valid, result.rejected, result.measured, result.reused) == (len(valid), len(rejected),
+                                                                               len(valid), 0)
+
+
+def test_tpe_measures_at_most_the_budget_never_a_kernel_twice(tpe_run, recorded):
+    backend, result, _ = tpe_run
+    valid, _ = expand(OP, SHAPE, recorded)
+    assert len(valid) > EXHAUSTIVE_LIMIT and result.sampler == "tpe" and result.valid == len(valid)
+    assert len(backend.evaluated) <= 10
+    assert len(set(backend.evaluated)) == len(backend.evaluated), collections.Counter(backend.evaluated)
+    assert result.measured == len(backend.evaluated) == 10  # plenty was left to find: the budget is spent
+
+
+def test_infeasible_configs_never_reach_the_backend(tpe_run, recorded):
+    backend, result, folder = tpe_run
+    valid, _ = expand(OP, SHAPE, recorded)
+    assert set(backend.evaluated) <= set(kernels(valid))
+    # TPE did propose infeasible configs (most combinations of the quick axes are): each was rejected
+    # with the op's rule and told to Optuna as pruned, without reaching the backend.
+    study = optuna.load_study(study_name="tpe", storage=sqlite(folder))
+    pruned = study.get_trials(states=(optuna.trial.TrialState.PRUNED,))
+    assert pruned, "TPE proposed no infeasible config: this test checks nothing"
+    for t in pruned:
+        params = OP.params_from_dict(t.params)
+        with pytest.raises(ConfigError) as rule:
+            OP.validate(SHAPE, params)
+        assert t.user_attrs["rejected"] == str(rule.value)
+        assert OP.kernel_name(SHAPE, params) not in backend.evaluated
+
+
+# ---- dedupe and resume ----
+
+def test_rerun_with_the_budget_met_measures_nothing(recording_path, recorded, tmp_path):
+    first = Recorder(recording_path)
+    before = run_tune(first, recorded, tmp_path, study_name="resume", trials=6)
+    again = Recorder(recording_path)
+    after = run_tune(again, recorded, tmp_path, study_name="resume", trials=6)
+    assert len(first.evaluated) == 6
+    assert again.evaluated == [] and after.measured == 0
+    # the answer comes from the stored trials: same winner, same finalists
+    assert after.winner.name == before.winner.name
+    assert again.finalists == first.finalists
+
+
+def test_rerun_with_a_bigger_budget_measures_only_new_configs(recording_path, recording, recorded, tmp_path):
+    first = Recorder(recording_path)
+    run_tune(first, recorded, tmp_path, study_name="resume", trials=6)
+    second = Recorder(recording_path)
+    result = run_tune(second, recorded, tmp_path, study_name="resume", trials=14)
+    assert len(first.evaluated) == 6 and len(second.evaluated) == 8 == result.measured
+    assert not set(first.evaluated) & set(second.evaluated)
+    assert len(set(second.evaluated)) == len(second.evaluated)
+    # The finalists are the fastest of both runs together: the first run's results are used, not lost.
+    measured = [k for k in first.evaluated + second.evaluated if hot_median(recording, k) is not None]
+    finalists = set(second.finalists)
+    assert len(finalists) == min(FINALISTS, len(measured))
+    slowest_finalist = max(hot_median(recording, k) for k in finalists)
+    assert all(hot_median(recording, k) >= slowest_finalist for k in measured if k not in finalists)
+
+
+def test_exhaustive_rerun_measures_the_rest(recording_path, small, tmp_path):
+    valid, _ = expand(OP, SHAPE, small)
+    first = Recorder(recording_path)
+    run_tune(first, small, tmp_path, study_name="resume", trials=4)
+    second = Recorder(recording_path)
+    result = run_tune(second, small, tmp_path, study_name="resume")
+    assert len(first.evaluated) == 4
+    assert collections.Counter(first.evaluated + second.evaluated) == collections.Counter(kernels(valid))
+    assert result.measured == len(valid) - 4
+
+
+# ---- failures ----
+
+def test_failed_gate_is_a_failed_trial_with_its_reason_never_a_finalist(recording, small, tmp_path):
+    # Derived from the recording: the fastest variant of small is made to fail its gate.
+    valid, _ = expand(OP, SHAPE, small)
+    held = by_kernel(recording)
+    passing = [k for k in kernels(valid) if held[k]["hot"]]
+    broken = min(passing, key=lambda k: held[k]["hot"]["median_us"])
+    reason = "{'m': 37}: y has 768 NaN (first at (36, 0)): unwritten or computed NaN"
+    held[broken].update(gate={"passed": False, "reason": reason, "worst_error": float("inf"), "errors": {}},
+                        hot=None, cold=None)
+    path = write_derived(tmp_path, recording)
+
+    backend = Recorder(path)
+    result = run_tune(backend, small, tmp_path, study_name="failed")
+    expected = {k: "gate: " + held[k]["gate"]["reason"] for k in kernels(valid) if not held[k]["gate"]["passed"]}
+    assert result.failed == expected and result.failed[broken] == "gate: " + reason
+    assert broken in backend.evaluated  # it was measured ...
+    assert broken not in backend.finalists  # ... but never re-timed or ranked
+    assert result.winner.name != broken and broken not in [f.name for f in result.runner_ups]
+    study = optuna.load_study(study_name="failed", storage=sqlite(tmp_path))
+    [trial] = [t for t in study.trials if t.user_attrs.get("kernel") == broken]
+    assert trial.state == optuna.trial.TrialState.FAIL and trial.user_attrs["reason"] == "gate: " + reason
+    # reopened, the study still knows why
+    assert run_tune(Recorder(path), small, tmp_path, study_name="failed").failed == expected
+
+
+def test_failed_compile_is_a_failed_trial_that_never_reaches_the_backend(recording_path, small, tmp_path, monkeypatch):
+    valid, _ = expand(OP, SHAPE, small)
+    doomed = kernels(valid)[1]
+    real_build = tune_module.build
+
+    def build(op, shape, params, arch):
+        if op.kernel_name(shape, params) == doomed:
+            raise CompileError("nvrtc: error: something the template got wrong\nline 12: more of the log")
+        return real_build(op, shape, params, arch)
+
+    monkeypatch.setattr(tune_module, "build", build)
+    backend = Recorder(recording_path)
+    result = run_tune(backend, small, tmp_path, study_name="compile")
+    assert result.failed[doomed] == "compile: nvrtc: error: something the template got wrong"
+    assert doomed not in backend.evaluated and doomed not in backend.finalists
+    assert result.measured == len(valid)  # a failed compile is a measured (failed) trial
+
+
+def test_every_variant_failing_is_an_error(recording, wide, tmp_path):
+    # Derived from the recording: every variant of wide fails its gate.
+    valid, _ = expand(OP, SHAPE, wide)
+    for k in kernels(valid):
+        by_kernel(recording)[k].update(gate={"passed": False, "reason": "y has NaN", "worst_error": 1.0,
+                                             "errors": {}}, hot=None, cold=None)
+    with pytest.raises(MageError, match="^tune: every measured variant failed; first failure: gate: y has NaN"):
+        run_tune(Recorder(write_derived(tmp_path, recording)), wide, tmp_path)
+
+
+# ---- the tie rule ----
+
+@pytest.fixture(scope="module")
+def wide_census(wide) -> dict[str, tuple[int, int]]:
+    """kernel -> (registers, threads per block) of every wide variant, as compiled here."""
+    valid, _ = expand(OP, SHAPE, wide)
+    return {v.source.kernel_name: (v.census.registers, OP.geometry(SHAPE, v.params, {"m": 1}).threads)
+            for v in build_all(OP, SHAPE, valid, "sm_90")}
+
+
+def pick_pair(census: dict[str, tuple[int, int]], by: str) -> tuple[str, str]:
+    """(a, b): b wins a tie against a by fewer registers (though it has more threads: registers come
+    first), or by fewer threads with equal registers."""
+    names = sorted(census)
+    for a in names:
+        for b in names:
+            (ra, ta), (rb, tb) = census[a], census[b]
+            if (by == "registers" and rb < ra and tb > ta) or (by == "threads" and rb == ra and tb < ta):
+                return a, b
+    raise AssertionError(f"no two wide variants differ by {by} alone: {census}")
+
+
+@pytest.mark.parametrize("by, spreads, tie", [
+    ("registers", (0.10, 0.10), True),
+    ("registers", (0.01, 0.10), True),  # the larger spread decides
+    ("threads", (0.10, 0.10), True),
+    ("registers", (0.01, 0.01), False),
+    ("threads", (0.01, 0.01), False),
+])
+def test_tie_goes_to_fewer_registers_then_fewer_threads(recording, wide, tmp_path, wide_census, by, spreads, tie):
+    # Derived from the recording: the fastest two wide variants are 0.08 us apart, the others far behind.
+    fast, frugal = pick_pair(wide_census, by)
+    held = by_kernel(recording)
+    for i, k in enumerate(sorted(wide_census)):
+        timed(held[k], 20.0 + i, 0.01)
+    timed(held[fast], 5.00, spreads[0])
+    timed(held[frugal], 5.08, spreads[1])
+    backend = Recorder(write_derived(tmp_path, recording))
+    result = run_tune(backend, wide, tmp_path)
+    assert set(backend.finalists) >= {fast, frugal}
+    assert result.tie is tie
+    if tie:
+        assert result.winner.name == frugal and result.tied_with == [fast]
+        assert result.runner_ups[0].name == fast
+        assert (result.winner.registers, result.winner.threads) == wide_census[frugal]
+    else:
+        assert result.winner.name == fast and result.tied_with == []
+        assert result.runner_ups[0].name == frugal
+
+
+def test_cold_objective_searches_and_ranks_by_cold(recording, wide, tmp_path, wide_census):
+    # Derived from the recording: a is fastest hot; b is slowest hot (not among the 5 hot finalists of the
+    # 6) but fastest cold; nothing ties.
+    a, b, *others = sorted(wide_census)
+    assert len(others) >= FINALISTS - 1
+    held = by_kernel(recording)
+    for i, k in enumerate(others):
+        timed(held[k], 20.0 + i, 0.01)
+    timed(held[a], 5.0, 0.01)  # cold 10.0
+    timed(held[b], 30.0, 0.01)
+    held[b]["cold"]["median_us"] = 8.0
+    path = write_derived(tmp_path, recording)
+    assert run_tune(Recorder(path), wide, tmp_path, objective="hot").winner.name == a
+    cold = run_tune(Recorder(path), wide, tmp_path, objective="cold")
+    assert cold.winner.name == b and cold.winner.cold.median_us == 8.0 and not cold.tie
+
+
+# ---- study and storage ----
+
+class OtherOp(LayerNorm):
+    name = "otherop"
+
+
+@pytest.mark.parametrize("change", ["shape", "run", "objective", "op"])
+def test_a_study_name_is_bound_to_its_op_and_shape(recording_path, wide, tmp_path, change):
+    assert run_tune(Recorder(recording_path), wide, tmp_path, study_name="mine").study == "mine"
+    op, shape, run, objective = OP, SHAPE, RUN, "hot"
+    if change == "shape":
+        shape = OP.shape(d=1024)
+    elif change == "run":
+        run = {"m": 2048}
+    elif change == "objective":
+        objective = "cold"
+    else:
+        op = OtherOp()
+    backend = Recorder(recording_path)
+    with pytest.raises(ConfigError) as exc:
+        tune(op, shape, run, wide, backend, objective=objective, storage=sqlite(tmp_path), study_name="mine")
+    assert str(exc.value).startswith("study:") and "'mine'" in str(exc.value) and "--study" in str(exc.value)
+    assert backend.evaluated == []
+
+
+@pytest.mark.parametrize("url", ["postgresql://nobody@127.0.0.1:1/none", "sqlite:///{tmp}/no/such/folder/s.db"])
+def test_unreachable_storage_is_a_one_line_error(recording_path, wide, tmp_path, url):
+    url = url.format(tmp=tmp_path)
+    backend = Recorder(recording_path)
+    with pytest.raises(MageError) as exc:
+        tune(OP, SHAPE, RUN, wide, backend, storage=url)
+    message = str(exc.value)
+    assert message.startswith("storage:") and repr(url) in message and "\n" not in message
+    assert backend.evaluated == []
+
+
+# ---- what the tuner hands on ----
+
+def test_entry_round_trips_through_the_store_and_matches_the_recording(small_run, recording_doc, tmp_path):
+    backend, result, _ = small_run
+    held = by_kernel(recording_doc)
+    entry = result.entry(OP, SHAPE, RUN, backend.device, "hot")
+    save_entry(OP.name, backend.device["name"], OP.shape_key(SHAPE), entry, directory=tmp_path)
+    loaded = load_entry(OP.name, H200, "d=768/float32", directory=tmp_path)
+    assert loaded == json.loads(json.dumps(entry))
+    assert load_winner(OP, SHAPE, H200, directory=tmp_path).params == result.winner.params  # not stale
+    w = held[loaded["kernel"]]
+    assert loaded["kernel"] == result.winner.name
+    assert OP.params_from_dict(loaded["params"]) == OP.params_from_dict(w["params"]) == result.winner.params
+    assert loaded["timings"] == {"hot": w["hot"], "cold": w["cold"]}
+    assert loaded["peers"] == recording_doc.get("peers", {})
+    assert loaded["gpu"] == recording_doc["gpu"] and loaded["objective"] == "hot"
+    for r in loaded["runner_ups"]:
+        assert (r["hot"], r["cold"]) == (held[r["kernel"]]["hot"], held[r["kernel"]]["cold"])
+    assert loaded["search"]["sampler"] == "exhaustive" and loaded["search"]["measured"] == result.measured
+    # nothing measured beats the winner by more than the spread
+    best = min((held[k] for k in backend.evaluated if held[k]["hot"]), key=lambda r: r["hot"]["median_us"])
+    assert Timing.from_dict(w["hot"]).ties_with(Timing.from_dict(best["hot"]))
+
+
+# ---- the command line ----
+
+def mage_gen(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mage_gen", *args], capture_output=True, text=True, timeout=300,
+                          env=env, cwd=cwd)
+
+
+def test_cli_tune_from_a_recording_stores_and_emits_the_winner(recording_path, recording_doc, tmp_path):
+    env = {**os.environ, "MAGE_GEN_TUNED": str(tmp_path / "tuned")}  # MAGE_GEN_CACHE: the session's
+    done = mage_gen("tune", "layernorm", "--d", "768", "--replay", str(recording_path), "--trials", "12",
+                    "--storage", sqlite(tmp_path), "--out", str(tmp_path / "k"), env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    doc = json.loads((tmp_path / "tuned" / "h200" / "layernorm.json").read_text())
+    entry = doc["entries"]["d=768/float32"]
+    winner = entry["kernel"]
+    winner_line = next(line for line in done.stdout.splitlines() if "winner" in line and "layernorm_" in line)
+    assert winner in winner_line
+    emitted = sorted(p.name for p in (tmp_path / "k").iterdir())
+    assert emitted == sorted(f"layernorm_d768{ext}" for ext in (".cu", ".ptx", ".cubin", ".launch.json"))
+    assert json.loads((tmp_path / "k" / "layernorm_d768.launch.json").read_text())["kernel"] == winner
+    # the stored winner is one of the study's measured configs: the best of them, or tied with it
+    (name,) = optuna.get_all_study_names(storage=sqlite(tmp_path))
+    assert name.startswith("layernorm-d768-m4096-NVIDIA_H200-sm_90-hot-quick-")
+    study = optuna.load_study(study_name=name, storage=sqlite(tmp_path))
+    complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE and "params_key" in t.user_attrs]
+    assert len(complete) + sum(t.state == optuna.trial.TrialState.FAIL and "params_key" in t.user_attrs
+                               for t in study.trials) == 12
+    assert winner in {t.user_attrs["kernel"] for t in complete}
+    best = min(complete, key=lambda t: t.value)
+    assert Timing.from_dict(entry["timings"]["hot"]).ties_with(Timing.from_dict(best.user_attrs["hot"]))
+    assert entry["timings"]["hot"] == by_kernel(recording_doc)[winner]["hot"]
+
+    again = mage_gen("emit", "layernorm", "--d", "768", "--gpu", H200, "-o", str(tmp_path / "e"), env=env,
+                     cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    launch = json.loads((tmp_path / "e" / "layernorm_d768.launch.json").read_text())
+    assert launch["kernel"] == winner and launch["provenance"]["kernel"] == winner
+    cubin = "layernorm_d768.cubin"
+    assert (tmp_path / "e" / cubin).read_bytes() == (tmp_path / "k" / cubin).read_bytes()
+
+
+def test_cli_tune_without_a_gpu_compiles_then_says_a_gpu_is_needed(tmp_path):
+    # CUDA_VISIBLE_DEVICES="" hides a GPU where there is one; the rest keeps a stray run out of real folders.
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "MAGE_GEN_TUNED": str(tmp_path / "tuned"),
+           "XDG_DATA_HOME": str(tmp_path / "data")}
+    done = mage_gen("tune", "layernorm", "--d", "768", env=env, cwd=tmp_path)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "Traceback" not in done.stderr and done.stdout == ""
+    valid, _ = expand(OP, SHAPE, QUICK)
+    assert lines[0].startswith(f"mage-gen: error: compiled and counted {len(valid)} valid variants")
+    assert "GPU" in lines[0]
+    assert not (tmp_path / "tuned").exists() and not (tmp_path / "kernels").exists()
+
+
+def test_tpe_with_a_budget_of_the_whole_space_measures_all_of_it(recording_path, recorded, tmp_path):
+    # Late in a search TPE mostly proposes measured configs; the tuner then enqueues unmeasured ones.
+    valid, _ = expand(OP, SHAPE, recorded)
+    backend = Recorder(recording_path)
+    result = run_tune(backend, recorded, tmp_path, study_name="all", trials=len(valid))
+    assert result.sampler == "tpe" and result.measured == len(valid)
+    assert collections.Counter(backend.evaluated) == collections.Counter(kernels(valid))
