@@ -11,24 +11,20 @@ Writes bench/results/<gpu>/layernorm.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
-import subprocess
 import sys
-from pathlib import Path
 
 import torch
 
-from mage_gen import __version__, gpu
-from mage_gen.compile import nvrtc_version
-from mage_gen.errors import StoreError
+from mage_gen import gpu
 from mage_gen.measure import Bench, gate, interleave
 from mage_gen.ops import get_op
 from mage_gen.peers import make_peers
-from mage_gen.store import gpu_slug, load_winner, write_atomic
 from mage_gen.timing import Timing
 from mage_gen.variants import build
+
+from _common import provenance, winner_params, write_result  # bench/_common.py, beside this script
 
 SHAPES = [(4096, 768), (4096, 1024), (4096, 2048), (4096, 4096), (4096, 8192), (65536, 768), (32768, 4096)]
 ROUNDS, PER_ROUND = 5, 6
@@ -49,17 +45,6 @@ def copy_bandwidth() -> Timing:
         if i >= 3:
             samples.append(2 * COPY_BYTES / (begin.elapsed_time(end) * 1000.0))
     return Timing.from_samples("copy", samples)
-
-
-def winner_params(op, shape, device, tune_missing: bool):
-    try:
-        return load_winner(op, shape, device.name).params
-    except StoreError:
-        if not tune_missing:
-            raise
-    subprocess.run([sys.executable, "-m", "mage_gen", "tune", op.name, "--d", str(shape.d), "--m", "4096",
-                    "--out", "/tmp/mage-gen-bench-kernels"], check=True)
-    return load_winner(op, shape, device.name).params
 
 
 def bench_shape(op, m: int, d: int, params, device, copy_bytes_per_us: float) -> dict:
@@ -102,7 +87,8 @@ def main() -> None:
     args = parser.parse_args()
     op = get_op("layernorm")
     device = gpu.open_device()
-    params = {d: winner_params(op, op.shape(d=d), device, args.tune_missing) for d in sorted({d for _, d in SHAPES})}
+    params = {d: winner_params(op, op.shape(d=d), device, args.tune_missing, ["--d", str(d), "--m", "4096"])
+              for d in sorted({d for _, d in SHAPES})}
     copy = copy_bandwidth()
     rows = [bench_shape(op, m, d, params[d], device, copy.median_us) for m, d in SHAPES]
     timed = [r for r in rows if "timings" in r]
@@ -124,14 +110,10 @@ def main() -> None:
             "copy_bandwidth": "torch device-to-device copy of 2 GiB, (read + write bytes) / time, median of 10",
             "bandwidth_fraction": "bytes a layer norm must move (x read, y written once) / copy bandwidth / time",
         },
-        "gpu": device.to_dict(), "nvrtc": nvrtc_version(), "mage_gen": __version__,
-        "torch": torch.__version__, "triton": __import__("triton").__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **provenance(device),
         "copy_bandwidth_bytes_per_us": copy.to_dict(), "shapes": rows, "summary": summary,
     }
-    out = Path("bench/results") / gpu_slug(device.name) / "layernorm.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(out, (json.dumps(doc, indent=1) + "\n").encode())
+    out = write_result(device, "layernorm.json", json.dumps(doc, indent=1) + "\n")
     print(f"copy bandwidth {copy.median_us / 1e6:.3f} TB/s")
     print(f"{'M×d':>11} {'kernel':48} {'hot':>7} {'triton':>7} {'torch':>7} {'ratio':>6} {'BW%':>5} {'cold':>7} {'tr.cold':>7}")
     for r in rows:

@@ -14,6 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from mage_gen.backends import Backend, GpuBackend, ReplayBackend
+from mage_gen.census import Census
 from mage_gen.compile import DEFAULT_ARCH, check_arch
 from mage_gen.emit import emit
 from mage_gen.errors import MageError, NoGpuError
@@ -33,17 +34,26 @@ err = Console(stderr=True)
 
 OpArg = typer.Argument(..., help="op family, e.g. layernorm")
 DOpt = typer.Option(None, "--d", help="row length (layernorm)")
-MOpt = typer.Option(4096, "--m", help="rows at launch (layernorm), for the launch geometry shown")
+MOpt = typer.Option(None, "--m", help="rows of the output: matmul's M; layernorm's rows at launch (default 4096)")
+NOpt = typer.Option(None, "--n", help="matmul: columns of B and C")
+KOpt = typer.Option(None, "--k", help="matmul: columns of A, rows of B")
 ArchOpt = typer.Option(DEFAULT_ARCH, "--arch", help="GPU architecture to compile for, e.g. sm_90, sm_80")
 JsonOpt = typer.Option(False, "--json", help="print machine-readable JSON instead of a table")
 
 
-def _shape(op: Op, **given: Optional[int]) -> Any:
+def _problem(op: Op, **given: Optional[int]) -> tuple[Any, dict[str, int]]:
+    """The op's generation-time shape and launch-time sizes from the size options given."""
     dims = {name: given.get(name) for name in op.shape_dims}
     missing = [name for name, value in dims.items() if value is None]
     if missing:
         raise MageError(f"{op.name} needs {', '.join('--' + m for m in missing)}")
-    return op.shape(**dims)
+    stray = [name for name, value in given.items() if value is not None and name not in (*op.shape_dims, *op.run_dims)]
+    if stray:
+        raise MageError(f"{op.name} takes no {', '.join('--' + s for s in stray)}")
+    shape = op.shape(**dims)
+    run = {name: given[name] if given.get(name) is not None else op.run_defaults[name] for name in op.run_dims}
+    op.check_run(run)
+    return shape, run
 
 
 def _parse_config(items: list[str]) -> dict[str, Any]:
@@ -74,6 +84,20 @@ def _variant_dict(op: Op, shape: Any, variant: Variant, run: dict[str, int]) -> 
     }
 
 
+def _loads_summary(c: Census) -> str:
+    """Global loads of the first tensor loaded (the input a pass reads), e.g. 'x 2×v4'."""
+    tensors = [t for t in dict.fromkeys(k.split(".")[0] for k in c.global_loads) if t != "?"]
+    return f"{tensors[0]} {_widths(c.global_loads, tensors[0])}" if tensors else "–"
+
+
+def _cp_async_summary(c: Census) -> str:
+    return " ".join(f"{n}×{b}B" for b, n in c.cp_async.items()) or "–"
+
+
+def _passes_summary(c: Census) -> str:
+    return " ".join(f"{t}:{len(p)}" for t, p in c.load_passes.items() if t != "?") or "–"
+
+
 def _widths(table: dict[str, dict[str, int]], tensor: str) -> str:
     counts: dict[str, int] = {}
     for tag, widths in table.items():
@@ -85,7 +109,8 @@ def _widths(table: dict[str, dict[str, int]], tensor: str) -> str:
 
 @app.command()
 def inspect(
-    op_name: str = OpArg, d: Optional[int] = DOpt, m: int = MOpt,
+    op_name: str = OpArg, d: Optional[int] = DOpt, m: Optional[int] = MOpt, n: Optional[int] = NOpt,
+    k: Optional[int] = KOpt,
     template: Optional[str] = typer.Option(None, help="template (layernorm: row, multirow, wide)"),
     threads: Optional[int] = typer.Option(None, help="threads per row"),
     vector: Optional[int] = typer.Option(None, help="floats per global access: 1, 2 or 4"),
@@ -95,14 +120,12 @@ def inspect(
 ) -> None:
     """Render, compile and count one variant: registers, shared memory, loads, stores, barriers."""
     op = get_op(op_name)
-    shape = _shape(op, d=d)
+    shape, run = _problem(op, d=d, m=m, n=n, k=k)
     check_arch(arch)
     values = _parse_config(config)
     values.update({k: v for k, v in dict(template=template, threads=threads, vector=vector).items()
                    if v is not None})
     params = op.params_from_dict(values)
-    run = {"m": m}
-    op.check_run(run)
     variant = build(op, shape, params, arch)
     if as_json:
         doc = _variant_dict(op, shape, variant, run)
@@ -117,18 +140,20 @@ def inspect(
     table.add_column(style="bold")
     table.add_column()
     rows = [
-        ("grid × block", f"{launch.grid[0]}×{launch.grid[1]}×{launch.grid[2]} × {launch.threads} threads (m={m})"),
+        ("grid × block", f"{launch.grid[0]}×{launch.grid[1]}×{launch.grid[2]} × {launch.threads} threads"
+                         + (f" ({', '.join(f'{k}={v}' for k, v in run.items())})" if run else "")),
         ("registers / shared", f"{c.registers} / {c.shared_bytes} B static + {launch.dynamic_shared_bytes} B dynamic"),
         ("stack / spills", f"{c.stack_bytes} B / {c.spill_bytes} B"),
     ]
     rows += [(f"loads of {t}", _widths(c.global_loads, t)) for t in sorted({k.split('.')[0] for k in c.global_loads})]
     rows += [(f"stores of {t}", _widths(c.global_stores, t)) for t in sorted({k.split('.')[0] for k in c.global_stores})]
     rows += [
-        ("passes over x", str(c.passes_over("x"))),
+        *((f"passes over {t}", str(len(p))) for t, p in c.load_passes.items() if t != "?"),
         ("barriers (bar.sync)", str(c.bar_sync)),
         ("shuffles", str(c.shfl_sync)),
         ("shared ld / st", f"{c.shared_loads} / {c.shared_stores}"),
         ("cp.async (bytes: n)", ", ".join(f"{b}: {n}" for b, n in c.cp_async.items()) or "–"),
+        ("wait_group (N: n)", ", ".join(f"{w}: {n}" for w, n in c.wait_groups.items()) or "–"),
         ("rsqrt.approx", str(c.rsqrt_approx)),
     ]
     for key, value in rows:
@@ -138,13 +163,14 @@ def inspect(
 
 @app.command()
 def variants(
-    op_name: str = OpArg, d: Optional[int] = DOpt, m: int = MOpt,
+    op_name: str = OpArg, d: Optional[int] = DOpt, m: Optional[int] = MOpt, n: Optional[int] = NOpt,
+    k: Optional[int] = KOpt,
     preset: Optional[str] = typer.Option(None, help="search-space preset from search/<op>.toml (quick, full)"),
     arch: str = ArchOpt, as_json: bool = JsonOpt,
 ) -> None:
     """Compile every valid variant of a preset and list each with its census."""
     op = get_op(op_name)
-    shape = _shape(op, d=d)
+    shape, run = _problem(op, d=d, m=m, n=n, k=k)
     check_arch(arch)
     space = load_space(op, preset)
     valid, rejected = expand(op, shape, space)
@@ -152,7 +178,6 @@ def variants(
                   console=err, transient=True, disable=not err.is_terminal) as progress:
         task = progress.add_task("compile", total=len(valid))
         built = build_all(op, shape, valid, arch, progress=lambda: progress.advance(task))
-    run = {"m": m}
     if as_json:
         print(json.dumps({"op": op.name, "shape": vars(shape), "preset": space.preset, "arch": arch,
                           "rejected": len(rejected),
@@ -160,12 +185,13 @@ def variants(
         return
     table = Table(title=f"{op.name} {vars(shape)}: {len(built)} valid variants of preset {space.preset} "
                         f"({len(rejected)} combinations rejected), {arch}")
-    for column in ("params", "regs", "smem B", "spill B", "x loads", "passes", "bar.sync", "shfl"):
+    for column in ("params", "regs", "smem B", "spill B", "global loads", "cp.async", "passes", "bar.sync", "shfl"):
         table.add_column(column, justify="left" if column == "params" else "right")
     for v in built:
         c = v.census
-        table.add_row(v.params.label(), str(c.registers), str(c.shared_bytes), str(c.spill_bytes),
-                      _widths(c.global_loads, "x"), str(c.passes_over("x")), str(c.bar_sync), str(c.shfl_sync))
+        smem = c.shared_bytes + op.geometry(shape, v.params, run).dynamic_shared_bytes
+        table.add_row(v.params.label(), str(c.registers), str(smem), str(c.spill_bytes), _loads_summary(c),
+                      _cp_async_summary(c), _passes_summary(c), str(c.bar_sync), str(c.shfl_sync))
     out.print(table)
 
 
@@ -181,7 +207,8 @@ def _this_gpu() -> str:
 
 @app.command("emit")
 def emit_command(
-    op_name: str = OpArg, d: Optional[int] = DOpt,
+    op_name: str = OpArg, d: Optional[int] = DOpt, m: Optional[int] = MOpt, n: Optional[int] = NOpt,
+    k: Optional[int] = KOpt,
     out_dir: Path = typer.Option(Path("kernels"), "-o", "--out", help="folder for the emitted files"),
     arch: str = ArchOpt,
     config: list[str] = typer.Option([], help="emit these parameters (KEY=VALUE[,KEY=VALUE]) instead of "
@@ -191,7 +218,7 @@ def emit_command(
 ) -> None:
     """Write a kernel as standalone .cu, .ptx, .cubin and .launch.json: the tuned winner, or --config."""
     op = get_op(op_name)
-    shape = _shape(op, d=d)
+    shape, _ = _problem(op, d=d, m=m, n=n, k=k)
     check_arch(arch)
     if config:
         params, provenance = op.params_from_dict(_parse_config(config)), None
@@ -204,27 +231,30 @@ def emit_command(
 
 def _print_result(op: Op, result: TuneResult, objective: str) -> None:
     table = Table(title=f"{op.name}: winner and runner-ups ({objective} objective), then peers, µs per launch")
-    for column in ("", "kernel", "hot median", "± spread", "cold median", "regs", "vs triton", "vs torch"):
+    peers = list(result.peers)
+    for column in ("", "kernel", "hot median", "± spread", "cold median", "regs", *(f"vs {p}" for p in peers)):
         table.add_column(column, justify="left" if column in ("", "kernel") else "right")
 
     def ratio(f: Timing, peer: str) -> str:
-        theirs = result.peers.get(peer)
-        return f"{f.median_us / theirs[objective].median_us:.3f}×" if theirs else "–"
+        return f"{f.median_us / result.peers[peer][objective].median_us:.3f}×"
 
     for label, f in [("winner" + (" (tie)" if result.tie else ""), result.winner),
                      *(("", r) for r in result.runner_ups)]:
         t = f.timing(objective)
         table.add_row(label, f.name, f"{f.hot.median_us:.2f}", f"{t.spread_us:.2f}", f"{f.cold.median_us:.2f}",
-                      str(f.registers), ratio(t, "triton"), ratio(t, "torch"))
+                      str(f.registers), *(ratio(t, p) for p in peers))
     for name, p in result.peers.items():
-        config = " ".join(f"{k}={v}" for k, v in p["config"].items() if k in ("num_warps", "fn"))
+        config = " ".join(f"{k}={v}" for k, v in p["config"].items() if k in ("num_warps", "fn", "BLOCK_M", "BLOCK_N",
+                                                                             "BLOCK_K", "num_stages"))
         table.add_row("peer", f"{name} {config}", f"{p['hot'].median_us:.2f}", f"{p[objective].spread_us:.2f}",
-                      f"{p['cold'].median_us:.2f}", "", "", "")
+                      f"{p['cold'].median_us:.2f}", "", *("" for _ in peers))
     out.print(table)
     c = result.winner.census
     out.print(f"winner census: {c['registers']} registers, {c['shared_bytes']} B shared, {c['spill_bytes']} B spills, "
-              f"x loads {_widths(c['global_loads'], 'x')}, {c['passes'].get('x', 0)} pass(es) over x, "
-              f"{c['bar_sync']} bar.sync, {c['shfl_sync']} shfl")
+              + "".join(f", {tensor} loads {_widths(c['global_loads'], tensor)} in {c['passes'][tensor]} pass(es)"
+                        for tensor in c["passes"] if tensor != "?")
+              + (f", cp.async {' '.join(f'{n}×{b}B' for b, n in c['cp_async'].items())}" if c["cp_async"] else "")
+              + f", {c['bar_sync']} bar.sync, {c['shfl_sync']} shfl")
     out.print(f"study {result.study} ({result.sampler}): {result.valid} valid configs, {result.measured} measured now, "
               f"{result.reused} from earlier runs, {len(result.failed)} failed")
     for name, why in list(result.failed.items())[:5]:
@@ -238,8 +268,8 @@ def _print_result(op: Op, result: TuneResult, objective: str) -> None:
 
 @app.command("tune")
 def tune_command(
-    op_name: str = OpArg, d: Optional[int] = DOpt,
-    m: int = typer.Option(4096, "--m", help="rows at launch to tune for"),
+    op_name: str = OpArg, d: Optional[int] = DOpt, m: Optional[int] = MOpt, n: Optional[int] = NOpt,
+    k: Optional[int] = KOpt,
     preset: Optional[str] = typer.Option(None, help="search-space preset from search/<op>.toml (quick, full)"),
     trials: Optional[int] = typer.Option(None, min=1, help="configs the study measures in all, earlier runs "
                                                            "included (default: all when ≤ 64, else 64)"),
@@ -254,9 +284,7 @@ def tune_command(
 ) -> None:
     """Search the space on this GPU: gate every variant, time the ones that pass, store and emit the winner."""
     op = get_op(op_name)
-    shape = _shape(op, d=d)
-    run = {"m": m}
-    op.check_run(run)
+    shape, run = _problem(op, d=d, m=m, n=n, k=k)
     if objective not in ("hot", "cold"):
         raise MageError(f"objective: use hot or cold, got {objective!r}")
     space = load_space(op, preset)

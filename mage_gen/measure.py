@@ -31,11 +31,11 @@ class GateResult:
     passed: bool
     reason: str  # why it failed; empty when it passed
     worst_error: float  # largest relative error over the runs (inf where a run failed outright)
-    errors: dict[int, float] = field(default_factory=dict)  # rows -> relative error
+    errors: dict[str, float] = field(default_factory=dict)  # gate run ('m=37') -> relative error
 
     def to_dict(self) -> dict:
         return {"passed": self.passed, "reason": self.reason, "worst_error": self.worst_error,
-                "errors": {str(k): v for k, v in self.errors.items()}}
+                "errors": dict(self.errors)}
 
 
 def relative_error(out: np.ndarray, ref: np.ndarray) -> float:
@@ -123,9 +123,9 @@ def check_outputs(op: Op, shape: Any, bound: Bound) -> tuple[float, str]:
 
 def gate(op: Op, shape: Any, params: Any, kernel: gpu.Kernel, run: dict[str, int],
          rng: np.random.Generator, stream: gpu.Stream) -> GateResult:
-    errors: dict[int, float] = {}
+    errors: dict[str, float] = {}
     for gate_run in op.gate_runs(shape, run):
-        key = next(iter(gate_run.values()))
+        key = ",".join(f"{k}={v}" for k, v in gate_run.items()) or "fixed"
         bound = None
         try:
             bound = Bound(op, shape, params, kernel, gate_run, op.make_inputs(shape, gate_run, rng))

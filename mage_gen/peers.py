@@ -1,6 +1,6 @@
-"""What a generated kernel must beat, measured the way the kernel is: torch and a Triton kernel written
-here (the `peers` extra). Each peer is gated against the same float64 reference before it is timed.
-Without torch there are simply no peers."""
+"""What a generated kernel must beat, measured the way the kernel is: torch (cuBLAS for matmul) and a
+Triton kernel written here (the `peers` extra). Each peer is gated against the same float64 reference
+before it is timed. Without torch there are simply no peers."""
 
 from __future__ import annotations
 
@@ -23,6 +23,17 @@ except ImportError:
     triton = None
 
 TRITON_WARPS = (2, 4, 8, 16)
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). An ieee fp32 tl.dot is CUDA-core FMAs, not tensor
+# cores: 64-128 tiles with 32-64 accumulators a thread (ptxas, sm_90: 96-254 registers, no spills), BLOCK_K
+# 16-32 so the 2-4 cp.async stages take 16-72 KB of shared memory, and 128×64 and 64×64 tiles so that a
+# 1024² C is still 128-256 programs for 132 SMs.
+TRITON_MATMUL_CONFIGS = (
+    (128, 128, 32, 8, 3), (128, 128, 16, 8, 4), (128, 128, 32, 8, 2),
+    (128, 64, 32, 4, 3), (128, 64, 16, 4, 4), (128, 64, 32, 8, 4),
+    (64, 128, 32, 4, 3), (64, 128, 32, 8, 4),
+    (64, 64, 32, 4, 4), (64, 64, 16, 4, 3),
+)
+TRITON_GROUP_M = 8  # tile rows per group: programs that run together share A and B tiles in L2
 
 if triton is not None:
 
@@ -39,6 +50,31 @@ if triton is not None:
         w = tl.load(W + cols, mask=mask)
         b = tl.load(B + cols, mask=mask)
         tl.store(Y + row * N + cols, diff * rstd * w + b, mask=mask)
+
+    @triton.jit
+    def _triton_matmul(A, B, C, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr):
+        # C = A·B, all row-major; one BLOCK_M×BLOCK_N tile of C per program, fp32 products and sums
+        # (input_precision="ieee": no TF32). Programs take tiles GROUP_M tile rows at a time, column by column.
+        pid = tl.program_id(0)
+        per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+        first = (pid // per_group) * GROUP_M  # the group's first tile row
+        group_rows = tl.minimum(tl.cdiv(M, BLOCK_M) - first, GROUP_M)  # the last group may have fewer
+        within = pid % per_group
+        rows = (first + within % group_rows) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = (within // group_rows) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        a = A + rows[:, None] * K + ks[None, :]
+        b = B + ks[:, None] * N + cols[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_in = ks < K - k0  # the K tail reads zeros, which add nothing
+            a_tile = tl.load(a, mask=(rows[:, None] < M) & k_in[None, :], other=0.0)
+            b_tile = tl.load(b, mask=k_in[:, None] & (cols[None, :] < N), other=0.0)
+            acc = tl.dot(a_tile, b_tile, acc, input_precision="ieee")
+            a += BLOCK_K
+            b += BLOCK_K * N
+        tl.store(C + rows[:, None] * N + cols[None, :], acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
 class TorchSubject:
@@ -117,7 +153,45 @@ def _layernorm_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float)
     return candidates
 
 
-_CANDIDATES = {"layernorm": _layernorm_candidates}
+def _matmul_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float) -> dict[str, list[TorchSubject]]:
+    # mage-gen's matmul kernels do exact fp32 FMAs, so cuBLAS must too: TF32 (about 3e-4 relative error,
+    # which the op's 1e-4 tolerance refuses) is off for every call made from here on.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    a, b = (torch.from_numpy(inputs[name]).cuda() for name in ("A", "B"))
+    (m, k), n = a.shape, b.shape[1]
+
+    def output():  # one per candidate, NaN until written, so a tile a kernel skips fails the gate
+        return torch.full((m, n), float("nan"), dtype=torch.float32, device="cuda")
+
+    def cublas_run(c):  # into a preallocated c, so a CUDA graph can capture it
+        def go():
+            torch.matmul(a, b, out=c)
+            return c
+        return go
+
+    candidates = {"cublas": [TorchSubject("cublas", cublas_run(output()),
+                                          {"fn": "torch.matmul", "float32_matmul_precision": "highest"})]}
+    if triton is not None:
+        def triton_run(c, bm, bn, bk, warps, stages):
+            grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+
+            def go():
+                _triton_matmul[grid](a, b, c, m, n, k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=TRITON_GROUP_M,
+                                     num_warps=warps, num_stages=stages)
+                return c
+            return go
+
+        candidates["triton"] = [
+            TorchSubject(f"triton/{bm}x{bn}x{bk}w{warps}s{stages}", triton_run(output(), bm, bn, bk, warps, stages),
+                         {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": TRITON_GROUP_M,
+                          "num_warps": warps, "num_stages": stages, "input_precision": "ieee"})
+            for bm, bn, bk, warps, stages in TRITON_MATMUL_CONFIGS]
+    return candidates
+
+
+_CANDIDATES = {"layernorm": _layernorm_candidates, "matmul": _matmul_candidates}
 
 
 def make_peers(op: Op, shape: Any, run: dict[str, int], inputs: dict[str, np.ndarray],

@@ -79,8 +79,8 @@ def _butterfly(width: int) -> list[int]:
     return [width >> i for i in range(1, width.bit_length())]
 
 
-def _regs(array: str, count: int) -> list[str]:
-    return [f"{array}[{i}]" for i in range(count)]
+def _regs(array: str, count: int, start: int = 0) -> list[str]:
+    return [f"{array}[{i}]" for i in range(start, start + count)]
 
 
 def _fail(message: str) -> None:

@@ -49,3 +49,22 @@ def synthetic_entry():
         return entry
 
     return make
+
+
+@pytest.fixture(scope="module")
+def device():
+    """The GPU, or a clean skip where there is no CUDA driver (CI)."""
+    from mage_gen import gpu
+    from mage_gen.errors import NoGpuError
+
+    try:
+        return gpu.open_device()
+    except NoGpuError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def stream(device):
+    from mage_gen import gpu
+
+    return gpu.Stream()

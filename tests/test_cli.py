@@ -59,3 +59,28 @@ def test_bad_input_is_one_line_exit_2_no_traceback(args, says):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and says in lines[0], done.stderr
     assert "Traceback" not in done.stderr and done.stdout == ""
+
+
+def test_inspect_matmul_seed_shows_its_pipeline():
+    done = mage_gen("inspect", "matmul", "--m", "1024", "--n", "1024", "--k", "1024", "--json")
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    census = doc["census"]
+    assert set(census["cp_async"]) == {"4", "16"} and census["wait_groups"]["1"] == 1
+    assert doc["launch"]["dynamic_shared_bytes"] == 33792 and doc["launch"]["block"] == [256, 1, 1]
+    assert doc["launch"]["grid"] == [16, 16, 1]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["inspect", "matmul", "--m", "64", "--n", "64"], "needs --k"),
+    (["inspect", "matmul", "--m", "64", "--n", "64", "--k", "64", "--d", "3"], "takes no --d"),
+    (["inspect", "layernorm", "--d", "768", "--n", "3"], "takes no --n"),
+    (["inspect", "matmul", "--m", "64", "--n", "62", "--k", "64"], "divisibility"),
+    (["inspect", "matmul", "--m", "0", "--n", "64", "--k", "64"], "m-range"),
+    (["variants", "matmul", "--m", "64", "--n", "64", "--k", "64", "--preset", "huge"], "unknown preset"),
+])
+def test_bad_matmul_input_is_one_line_exit_2(args, says):
+    done = mage_gen(*args)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], done.stderr

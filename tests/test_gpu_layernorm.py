@@ -8,7 +8,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mage_gen import gpu
-from mage_gen.errors import NoGpuError
 from mage_gen.measure import Bench, gate
 from mage_gen.ops import get_op
 from mage_gen.space import expand, load_space
@@ -17,19 +16,6 @@ from mage_gen.variants import build
 pytestmark = pytest.mark.gpu
 OP = get_op("layernorm")
 FULL = load_space(OP, "full")
-
-
-@pytest.fixture(scope="module")
-def device():
-    try:
-        return gpu.open_device()
-    except NoGpuError as exc:
-        pytest.skip(str(exc))
-
-
-@pytest.fixture(scope="module")
-def stream(device):
-    return gpu.Stream()
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

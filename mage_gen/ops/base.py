@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 import numpy as np
 
+from mage_gen.errors import ConfigError
 from mage_gen.render import Source
+
+
+def params_from(params_type: type, op_name: str, values: dict[str, Any], hidden: frozenset[str] = frozenset()) -> Any:
+    """An op's frozen Params from a dict (a search space, --config, tuned/), naming unknown keys."""
+    known = {f.name for f in fields(params_type)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"params: unknown {op_name} parameter(s) {unknown}; known: {sorted(known - hidden)}")
+    return params_type(**values)
+
+
+def register_cap(block_threads: int) -> int:
+    """Registers per thread ptxas allows under __launch_bounds__(block, 1): the 64K register file split
+    over the block's warps, rounded up to whole groups of 4 warps, in steps of 8, at most 255."""
+    warps = -(-block_threads // 32)
+    warps = -(-warps // 4) * 4
+    return min(255, 65536 // (warps * 32) // 8 * 8)
 
 
 @dataclass(frozen=True)
@@ -36,6 +54,7 @@ class Op(Protocol):
     params_type: type
     shape_dims: tuple[str, ...]  # what the kernel is generated for, e.g. ('d',)
     run_dims: tuple[str, ...]  # sizes given at launch, e.g. ('m',)
+    run_defaults: dict[str, int]  # for the CLI, where a launch size is not given
     args: tuple[Arg, ...]
 
     def shape(self, **dims: int) -> Any: ...

@@ -9,13 +9,13 @@ d is fixed when the kernel is generated; M is given at launch. Templates:
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
 from mage_gen.errors import ConfigError
-from mage_gen.ops.base import Arg, Launch
+from mage_gen.ops.base import Arg, Launch, params_from, register_cap
 from mage_gen.render import Source, render
 
 TEMPLATES = ("row", "multirow", "wide")
@@ -54,13 +54,6 @@ class Params:
                 f"{self.rsqrt} {self.hint}{extra}")
 
 
-def _register_cap(block_threads: int) -> int:
-    """Registers per thread ptxas allows under __launch_bounds__(block, 1): the register file split over
-    the block's warps, rounded up to whole groups of 4 warps, in steps of 8, at most 255."""
-    warps = _round_up(-(-block_threads // 32), 4)
-    return min(255, 65536 // (warps * 32) // 8 * 8)
-
-
 def _registers_needed(values: int, vector: int) -> int:
     """A conservative estimate, fitted to ptxas 13.0 over 1457 compiled row/multirow variants (none that
     it admits spilled): narrower vectors cost more registers per value in addresses and predicates."""
@@ -77,6 +70,7 @@ class LayerNorm:
     params_type = Params
     shape_dims = ("d",)
     run_dims = ("m",)
+    run_defaults = {"m": 4096}
     args = (Arg("y", "out"), Arg("x", "in"), Arg("w", "in"), Arg("b", "in"), Arg("M", "i32"),
             Arg("eps", "f32"))
     eps = 1e-5
@@ -91,11 +85,7 @@ class LayerNorm:
         return Shape(d)
 
     def params_from_dict(self, values: dict[str, Any]) -> Params:
-        known = {f.name for f in fields(Params)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(f"params: unknown layernorm parameter(s) {unknown}; known: {sorted(known)}")
-        return Params(**values)
+        return params_from(Params, self.name, values)
 
     def params_to_dict(self, params: Params) -> dict[str, Any]:
         return asdict(params)
@@ -143,7 +133,7 @@ class LayerNorm:
             if values > MAX_VALUES_PER_THREAD:
                 raise ConfigError(f"registers: template {p.template} would hold {values} floats per thread "
                                   f"(limit {MAX_VALUES_PER_THREAD}); use more threads or template wide")
-            need, cap = _registers_needed(values, v), _register_cap(t * r)
+            need, cap = _registers_needed(values, v), register_cap(t * r)
             if need > cap:
                 raise ConfigError(f"registers: {values} floats per thread need about {need} registers, over the "
                                   f"{cap} a block of {t * r} threads leaves each; use fewer rows per block, a "

@@ -1,0 +1,44 @@
+"""What the benches share: this GPU's tuned winner (tuned first where asked), where a result came from, and
+writing it under bench/results/<gpu>/."""
+
+from __future__ import annotations
+
+import datetime
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from mage_gen import __version__
+from mage_gen.compile import nvrtc_version
+from mage_gen.errors import StoreError
+from mage_gen.store import gpu_slug, load_winner, write_atomic
+
+TUNE_OUT = "/tmp/mage-gen-bench-kernels"
+
+
+def winner_params(op, shape, device, tune_missing: bool, tune_flags: list[str]):
+    """The stored winner's params; with tune_missing, `mage-gen tune <op> <tune_flags>` first where none is."""
+    try:
+        return load_winner(op, shape, device.name).params
+    except StoreError:
+        if not tune_missing:
+            raise
+    subprocess.run([sys.executable, "-m", "mage_gen", "tune", op.name, *tune_flags, "--out", TUNE_OUT], check=True)
+    return load_winner(op, shape, device.name).params
+
+
+def provenance(device) -> dict:
+    return {
+        "gpu": device.to_dict(), "nvrtc": nvrtc_version(), "mage_gen": __version__,
+        "torch": torch.__version__, "triton": __import__("triton").__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def write_result(device, filename: str, text: str) -> Path:
+    out = Path("bench/results") / gpu_slug(device.name) / filename
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(out, text.encode())
+    return out

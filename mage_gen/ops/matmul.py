@@ -1,0 +1,219 @@
+"""Matrix product, fp32 with fused multiply-adds (never TF32): C = A·B, row-major, A M×K, B K×N.
+
+M, N and K are fixed when the kernel is generated; tails (sizes that are not multiples of the tile)
+are handled by zero-filled copies and guarded stores. One template, `tiled`: a BM×BN block tile
+walked along K in BK steps through `buffers` shared-memory stages filled by cp.async, each thread
+accumulating a TM×TN tile of C in registers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from mage_gen.errors import ConfigError
+from mage_gen.ops.base import Arg, Launch, params_from, register_cap
+from mage_gen.render import Source, render
+
+MAX_SHARED_BYTES = 227 * 1024  # the opt-in limit per block on sm_90; smaller GPUs refuse at launch
+MAX_DIM = 1 << 16
+MAX_THREADS = 256
+A_LAYOUTS = ("transposed", "direct")
+COPY_WIDTHS = (4, 8, 16)
+PLANTED_BUGS = ("", "offset_units", "last_tile_parity")  # test-only: the gate must reject both
+# Fitted to ptxas 13.0 over 360 random configs at 1000³, 1024³ and 37×64×70 (none it admits spilled):
+# ptxas keeps each copy's addresses and bounds in registers across the K loop, so copies per thread,
+# not only accumulators, set the count.
+_REGISTERS_PER_COPY = 6
+
+
+@dataclass(frozen=True)
+class Shape:
+    m: int
+    n: int
+    k: int
+
+
+@dataclass(frozen=True)
+class Params:
+    bm: int = 64
+    bn: int = 64
+    bk: int = 32
+    tm: int = 4
+    tn: int = 4
+    buffers: int = 2
+    a_layout: str = "transposed"  # transposed: As[k][m], 4-byte copies scatter it; direct: As[m][k]
+    a_width: int = 4  # bytes per cp.async of A
+    b_width: int = 16  # bytes per cp.async of B
+    a_pad: int = 4  # floats added to each shared-memory row of A (bank conflicts)
+    b_pad: int = 0
+    plant: str = ""  # a deliberate pipeline bug, for the tests of the gate only
+
+    @property
+    def threads(self) -> int:
+        return (self.bm // self.tm) * (self.bn // self.tn)
+
+    def label(self) -> str:
+        return (f"{self.bm}x{self.bn}x{self.bk} t{self.tm}x{self.tn} buf{self.buffers} A:{self.a_layout}/{self.a_width}B"
+                f" B:{self.b_width}B pad{self.a_pad}/{self.b_pad}" + (f" PLANTED {self.plant}" if self.plant else ""))
+
+
+class Matmul:
+    name = "matmul"
+    tolerance = 1e-4  # fp32 FMA lands near 1e-6 here; TF32 would land near 3e-4 and fail
+    params_type = Params
+    shape_dims = ("m", "n", "k")
+    run_dims: tuple[str, ...] = ()
+    run_defaults: dict[str, int] = {}
+    args = (Arg("C", "out"), Arg("A", "in"), Arg("B", "in"))
+
+    def shape(self, **dims: int) -> Shape:
+        for name in self.shape_dims:
+            value = dims.get(name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_DIM:
+                raise ConfigError(f"{name}-range: {name} must be a whole number in 1..{MAX_DIM}, got {value!r}; "
+                                  f"give it as --{name}")
+        return Shape(dims["m"], dims["n"], dims["k"])
+
+    def params_from_dict(self, values: dict[str, Any]) -> Params:
+        return params_from(Params, self.name, values, hidden=frozenset({"plant"}))
+
+    def params_to_dict(self, params: Params) -> dict[str, Any]:
+        values = asdict(params)
+        if not values["plant"]:
+            del values["plant"]  # never part of a search space or a stored winner
+        return values
+
+    def validate(self, shape: Shape, p: Params) -> None:
+        for name in ("bm", "bn", "bk", "tm", "tn"):
+            value = getattr(p, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"tile: {name} must be a positive whole number, got {value!r}")
+        if p.tm not in (4, 8) or p.tn not in (4, 8):
+            raise ConfigError(f"thread-tile: tm and tn are 4 or 8 (shared memory is read in float4s), got {p.tm}×{p.tn}")
+        if p.bm % p.tm or p.bn % p.tn:
+            raise ConfigError(f"tile-divides: the thread tile {p.tm}×{p.tn} must divide the block tile {p.bm}×{p.bn}")
+        threads = p.threads
+        # Past 256 threads a block leaves each under 128 registers: too few for a register tile and the
+        # copies' addresses, which is where ptxas started to spill.
+        if threads % 32 or not 32 <= threads <= MAX_THREADS:
+            raise ConfigError(f"threads: (bm/tm)·(bn/tn) = {threads} threads; it must be a multiple of 32 in "
+                              f"32..{MAX_THREADS}")
+        if p.buffers not in (1, 2, 3):
+            raise ConfigError(f"buffers: 1, 2 or 3 shared-memory stages, got {p.buffers}")
+        if p.a_layout not in A_LAYOUTS:
+            raise ConfigError(f"a-layout: a_layout is one of {A_LAYOUTS}, got {p.a_layout!r}")
+        if p.a_width not in COPY_WIDTHS or p.b_width not in COPY_WIDTHS:
+            raise ConfigError(f"copy-width: cp.async copies 4, 8 or 16 bytes, got A {p.a_width}, B {p.b_width}")
+        if p.a_layout == "transposed" and p.a_width != 4:
+            raise ConfigError("copy-width: a transposed A tile scatters every float: a_width must be 4")
+        if p.a_pad % 4 or p.b_pad % 4 or not 0 <= p.a_pad <= 32 or not 0 <= p.b_pad <= 32:
+            raise ConfigError(f"padding: a_pad and b_pad are multiples of 4 floats up to 32 (16-byte rows), "
+                              f"got {p.a_pad}, {p.b_pad}")
+        a_vec, b_vec = p.a_width // 4, p.b_width // 4
+        if p.a_layout == "direct" and (shape.k % a_vec or p.bk % a_vec):
+            raise ConfigError(f"divisibility: {p.a_width}-byte copies of A rows need K ({shape.k}) and bk ({p.bk}) "
+                              f"to be multiples of {a_vec}")
+        if shape.n % b_vec or p.bn % b_vec:
+            raise ConfigError(f"divisibility: {p.b_width}-byte copies of B rows need N ({shape.n}) and bn ({p.bn}) "
+                              f"to be multiples of {b_vec}")
+        for tensor, count in self._copies(p).items():
+            if count % threads:
+                raise ConfigError(f"tile-copy: the {tensor} tile is {count} copies, not a multiple of {threads} threads")
+        if (need := self.shared_bytes(p)) > MAX_SHARED_BYTES:
+            raise ConfigError(f"shared-memory: {p.buffers} stages need {need} bytes, over the {MAX_SHARED_BYTES} a "
+                              "block can have; use fewer buffers or a smaller tile")
+        copies = self._copies_per_thread(p)
+        need = p.tm * p.tn + p.tm + p.tn + _REGISTERS_PER_COPY * copies + 20
+        if need > (cap := register_cap(threads)):
+            raise ConfigError(f"registers: {p.tm}×{p.tn} accumulators and {copies} copies per thread per tile need "
+                              f"about {need} registers, over the {cap} a block of {threads} threads leaves each; "
+                              "use wider copies, more threads or a smaller thread tile")
+        if p.plant not in PLANTED_BUGS:
+            raise ConfigError(f"plant: unknown planted bug {p.plant!r}")
+
+    def _copies(self, p: Params) -> dict[str, int]:
+        """cp.async instructions a block issues per K tile, per operand."""
+        a_vec = p.a_width // 4 if p.a_layout == "direct" else 1
+        return {"A": p.bm * p.bk // a_vec, "B": p.bk * p.bn // (p.b_width // 4)}
+
+    def _copies_per_thread(self, p: Params) -> int:
+        return sum(self._copies(p).values()) // p.threads
+
+    # ---- shared memory layout ----
+    def _strides(self, p: Params) -> tuple[int, int, int]:
+        """(A row stride, A stage floats, B stage floats) in shared memory."""
+        a_stride = (p.bm if p.a_layout == "transposed" else p.bk) + p.a_pad
+        a_rows = p.bk if p.a_layout == "transposed" else p.bm
+        return a_stride, a_rows * a_stride, p.bk * (p.bn + p.b_pad)
+
+    def shared_bytes(self, p: Params) -> int:
+        _, a_stage, b_stage = self._strides(p)
+        return p.buffers * (a_stage + b_stage) * 4
+
+    # ---- generation ----
+    def kernel_name(self, shape: Shape, p: Params) -> str:
+        layout = "at" if p.a_layout == "transposed" else "ad"
+        return (f"matmul_m{shape.m}_n{shape.n}_k{shape.k}_b{p.bm}x{p.bn}x{p.bk}_t{p.tm}x{p.tn}_s{p.buffers}"
+                f"_{layout}{p.a_width}_b{p.b_width}_p{p.a_pad}x{p.b_pad}" + (f"_bug_{p.plant}" if p.plant else ""))
+
+    def context(self, shape: Shape, p: Params) -> dict[str, Any]:
+        a_stride, a_stage, b_stage = self._strides(p)
+        return dict(
+            M=shape.m, N=shape.n, K=shape.k, BM=p.bm, BN=p.bn, BK=p.bk, TM=p.tm, TN=p.tn, STAGES=p.buffers,
+            THREADS=p.threads, A_TRANSPOSED=p.a_layout == "transposed", A_VEC=p.a_width // 4, B_VEC=p.b_width // 4,
+            A_STRIDE=a_stride, B_STRIDE=p.bn + p.b_pad, A_STAGE=a_stage, B_STAGE=b_stage,
+            TILES=-(-shape.k // p.bk), M_TAIL=shape.m % p.bm != 0, N_TAIL=shape.n % p.bn != 0,
+            K_TAIL=shape.k % p.bk != 0, PLANT=p.plant, C_VEC=4 if shape.n % 4 == 0 else 1,
+        )
+
+    def source(self, shape: Shape, p: Params) -> Source:
+        self.validate(shape, p)
+        return render("matmul/tiled.cu.j2", self.context(shape, p), self.kernel_name(shape, p), p)
+
+    # ---- launch ----
+    def geometry(self, shape: Shape, p: Params, run: dict[str, int]) -> Launch:
+        return Launch(grid=(-(-shape.n // p.bn), -(-shape.m // p.bm), 1), block=(p.threads, 1, 1),
+                      dynamic_shared_bytes=self.shared_bytes(p), static_shared_bytes=0)
+
+    def launch_formula(self, shape: Shape, p: Params) -> dict[str, Any]:
+        launch = self.geometry(shape, p, {})
+        return {"grid": list(launch.grid), "block": list(launch.block),
+                "dynamic_shared_bytes": launch.dynamic_shared_bytes}
+
+    def check_run(self, run: dict[str, int]) -> None:
+        if run:
+            raise ConfigError(f"run: matmul takes every size at generation (--m --n --k), not {sorted(run)}")
+
+    def slug(self, shape: Shape) -> str:
+        return f"m{shape.m}_n{shape.n}_k{shape.k}"
+
+    def shape_key(self, shape: Shape) -> str:
+        return f"m={shape.m},n={shape.n},k={shape.k}/float32"
+
+    def scalars(self, shape: Shape, run: dict[str, int]) -> dict[str, int | float]:
+        return {}
+
+    def make_inputs(self, shape: Shape, run: dict[str, int], rng: np.random.Generator) -> dict[str, np.ndarray]:
+        return {"A": rng.standard_normal((shape.m, shape.k), dtype=np.float32),
+                "B": rng.standard_normal((shape.k, shape.n), dtype=np.float32)}
+
+    def output_shapes(self, shape: Shape, run: dict[str, int]) -> dict[str, tuple[int, ...]]:
+        return {"C": (shape.m, shape.n)}
+
+    def reference(self, shape: Shape, inputs: dict[str, np.ndarray], scalars: dict[str, int | float]) -> dict[str, np.ndarray]:
+        return {"C": inputs["A"].astype(np.float64) @ inputs["B"].astype(np.float64)}
+
+    def gate_runs(self, shape: Shape, run: dict[str, int]) -> list[dict[str, int]]:
+        return [{}]  # every size is fixed: one run, fresh inputs each check
+
+    def bytes_moved(self, shape: Shape, run: dict[str, int]) -> int:
+        return 4 * (shape.m * shape.k + shape.k * shape.n + shape.m * shape.n)
+
+    def flops(self, shape: Shape) -> int:
+        return 2 * shape.m * shape.n * shape.k
+
+
+OP = Matmul()
