@@ -1,0 +1,19 @@
+"""A CPU interpreter for the PTX NVRTC makes from mage-gen's templates, so that CI checks numbers.
+
+    run(ptx, entry, grid, block, dynamic_shared, args)   one launch over numpy buffers
+    gate(op, shape, variant, run, rng)                    measure.gate's verdict, on the CPU
+    worst_error(op, shape, variant, run, rng)             its relative error, or an InterpError
+
+Modules: parse (PTX text → statements), program (operands, decoded entry), alu / memops (one builder
+per opcode), decode (statements → instructions), fp (fp32 rounding), memory (global and shared memory
+with fault and race checks), warp (32 lanes, min-PC reconvergence, cp.async groups), launch (blocks,
+barriers), gate (an op variant as the gate runs it).
+"""
+
+from mage_gen.interp.errors import (DivergenceError, InterpError, MemoryFault, RaceError, StaleReadError,
+                                    UnknownInstruction)
+from mage_gen.interp.gate import gate, run_once, worst_error
+from mage_gen.interp.launch import Stats, run
+
+__all__ = ["run", "Stats", "gate", "run_once", "worst_error", "InterpError", "UnknownInstruction", "MemoryFault",
+           "RaceError", "StaleReadError", "DivergenceError"]

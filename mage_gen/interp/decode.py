@@ -1,0 +1,66 @@
+"""Decode an entry once: every statement becomes an Instr, or an UnknownInstruction naming it."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from mage_gen.interp import alu, memops
+from mage_gen.interp.errors import InterpError, UnknownInstruction
+from mage_gen.interp.parse import Entry, parse
+from mage_gen.interp.program import BAR, BRA, EXIT, OP, Decoder, Instr, Program
+
+_BUILDERS = {**alu.BUILDERS, **memops.BUILDERS}
+
+
+def _control(dec: Decoder, st, parts) -> tuple[int, int]:
+    """(kind, branch target) for bra / ret / exit / bar.sync; raises where the form is not supported."""
+    if parts[0] == "bra":
+        if parts[1:] not in ([], ["uni"]):
+            raise UnknownInstruction(f"bra modifier(s) {parts[1:]}")
+        label = st.operands[0].strip()
+        if label not in dec.entry.labels:
+            raise InterpError(f"line {st.line}: branch to unknown label {label}")
+        return BRA, dec.entry.labels[label]
+    if parts[0] in ("ret", "exit"):
+        if parts[1:] not in ([], ["uni"]):
+            raise UnknownInstruction(f"{parts[0]} modifier(s) {parts[1:]}")
+        return EXIT, -1
+    # bar.sync 0 / barrier.sync 0 / bar.sync 0, <all threads>: the only barrier form the templates use
+    if parts[1:] not in (["sync"], ["sync", "aligned"]) or st.operands[:1] != ("0",) or len(st.operands) > 1:
+        raise UnknownInstruction("only 'bar.sync 0' (every thread of the block) is implemented")
+    return BAR, -1
+
+
+def decode_entry(entry: Entry) -> Program:
+    dec = Decoder(entry)
+    for st in entry.body:
+        parts = st.opcode.split(".")
+        guard, neg = -1, False
+        try:
+            if st.guard:
+                neg = st.guard.startswith("!")
+                guard = dec.slot(st.guard.lstrip("!"))
+            if parts[0] in ("bra", "ret", "exit", "bar", "barrier"):
+                kind, target = _control(dec, st, parts)
+                ins = Instr(kind, None, guard, neg, target, st.line, st.text, uni="uni" in parts[1:])
+            else:
+                builder = _BUILDERS.get(parts[0])
+                if builder is None:
+                    raise UnknownInstruction("unknown instruction")
+                ins = Instr(OP, builder(dec, st, parts), guard, neg, -1, st.line, st.text)
+        except UnknownInstruction as exc:
+            raise UnknownInstruction(f"line {st.line}: {st.opcode}: {exc} (in {st.text!r})") from None
+        except InterpError as exc:
+            raise InterpError(f"line {st.line}: {exc} (in {st.text!r})") from None
+        dec.prog.instrs.append(ins)
+    dec.prog.instrs.append(Instr(EXIT, None, -1, False, -1, 0, "<end of entry>"))
+    return dec.prog
+
+
+@lru_cache(maxsize=64)
+def decode(ptx: str, entry: str) -> Program:
+    """The decoded entry, cached by PTX text (a hypothesis run decodes each variant once)."""
+    entries = parse(ptx)
+    if entry not in entries:
+        raise InterpError(f"no entry {entry!r} in the PTX (it has {', '.join(entries)})")
+    return decode_entry(entries[entry])

@@ -1,0 +1,69 @@
+"""An op variant run on the interpreter exactly as measure.gate runs it on a GPU: fresh inputs from
+op.make_inputs for every gate run, outputs poisoned with NaN, op.reference and op.tolerance."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mage_gen.interp.errors import InterpError
+from mage_gen.interp.launch import run
+from mage_gen.measure import GateResult, relative_error
+
+
+def run_once(op, shape: Any, variant: Any, run_sizes: dict[str, int], rng: np.random.Generator) -> dict:
+    """One launch: (inputs, outputs, reference). Raises InterpError for what the interpreter catches."""
+    launch = op.geometry(shape, variant.params, run_sizes)
+    inputs = op.make_inputs(shape, run_sizes, rng)
+    outputs = {name: np.full(s, np.nan, dtype=np.float32) for name, s in op.output_shapes(shape, run_sizes).items()}
+    scalars = op.scalars(shape, run_sizes)
+    args = []
+    for arg in op.args:
+        if arg.kind == "out":
+            args.append(outputs[arg.name])
+        elif arg.kind == "in":
+            args.append(np.ascontiguousarray(inputs[arg.name], dtype=np.float32))
+        elif arg.kind == "i32":
+            args.append(int(scalars[arg.name]))
+        else:
+            args.append(float(np.float32(scalars[arg.name])))
+    run(variant.compiled.ptx, variant.source.kernel_name, launch.grid, launch.block, launch.dynamic_shared_bytes,
+        args)
+    return {"inputs": inputs, "outputs": outputs, "reference": op.reference(shape, inputs, scalars)}
+
+
+def worst_error(op, shape: Any, variant: Any, run_sizes: dict[str, int], rng: np.random.Generator,
+                runs: list[dict[str, int]] | None = None) -> float:
+    """The largest relative error over `runs` (default op.gate_runs, as the gate does; inf where an output
+    holds NaN); raises an InterpError for a fault, race or stale read."""
+    worst = 0.0
+    for gate_run in (op.gate_runs(shape, run_sizes) if runs is None else runs):
+        result = run_once(op, shape, variant, gate_run, rng)
+        for name, ref in result["reference"].items():
+            out = result["outputs"][name]
+            err = float("inf") if np.isnan(out).any() else relative_error(out, ref)
+            worst = max(worst, err)
+    return worst
+
+
+def gate(op, shape: Any, variant: Any, run_sizes: dict[str, int], rng: np.random.Generator) -> GateResult:
+    """measure.gate's verdict, on the CPU: a fault the interpreter catches fails the gate with its message."""
+    errors: dict[str, float] = {}
+    for gate_run in op.gate_runs(shape, run_sizes):
+        key = ",".join(f"{k}={v}" for k, v in gate_run.items()) or "fixed"
+        try:
+            result = run_once(op, shape, variant, gate_run, rng)
+        except InterpError as exc:
+            return GateResult(False, f"{gate_run}: {exc}", float("inf"), errors)
+        for name, ref in result["reference"].items():
+            out = result["outputs"][name]
+            if (nans := np.argwhere(np.isnan(out))).size:
+                return GateResult(False, f"{gate_run}: {name} has {len(nans)} NaN (first at "
+                                  f"{tuple(int(i) for i in nans[0])})", float("inf"), errors)
+            err = relative_error(out, ref)
+            errors[key] = max(errors.get(key, 0.0), err)
+            if not err <= op.tolerance:
+                return GateResult(False, f"{gate_run}: {name} relative error {err:.3g} > tolerance "
+                                  f"{op.tolerance:g}", err, errors)
+    return GateResult(True, "", max(errors.values()), errors)

@@ -1,0 +1,128 @@
+"""A launch: kernel arguments into parameter bytes and global buffers, then every block in turn,
+its warps interleaved at barriers."""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from mage_gen.interp.decode import decode
+from mage_gen.interp.errors import InterpError
+from mage_gen.interp.memory import Global, Shared
+from mage_gen.interp.program import LANES, Program
+from mage_gen.interp.warp import Warp
+
+_PACK = {"u8": "<B", "s8": "<b", "b8": "<B", "u16": "<H", "s16": "<h", "b16": "<H", "u32": "<I", "s32": "<i",
+         "b32": "<I", "u64": "<Q", "s64": "<q", "b64": "<Q", "f32": "<f", "f64": "<d"}
+
+
+@dataclass
+class Stats:
+    blocks: int = 0
+    warp_steps: int = 0  # warp-instructions executed
+    barriers: int = 0
+
+
+def _dim3(v) -> tuple[int, int, int]:
+    v = (v,) if isinstance(v, int) else tuple(v)
+    return (tuple(int(x) for x in v) + (1, 1, 1))[:3]
+
+
+def _split3(i: int, dims: tuple[int, int, int]) -> tuple[int, int, int]:
+    return i % dims[0], (i // dims[0]) % dims[1], i // (dims[0] * dims[1])
+
+
+def describe_thread(tid: int, ntid, ctaid) -> str:
+    x, y, z = _split3(tid, ntid)
+    return f"thread ({x},{y},{z}) of block ({ctaid[0]},{ctaid[1]},{ctaid[2]})"
+
+
+class Block:
+    def __init__(self, prog: Program, glob: Global, params: bytes, shared_bytes: int,
+                 ctaid: tuple[int, int, int], ntid: tuple[int, int, int], nctaid: tuple[int, int, int]):
+        self.prog, self.glob, self.params, self.ctaid, self.ntid = prog, glob, params, ctaid, ntid
+        self.shared = Shared(shared_bytes)
+        n = ntid[0] * ntid[1] * ntid[2]
+        self.first_tid = n * (ctaid[0] + nctaid[0] * (ctaid[1] + nctaid[1] * ctaid[2]))  # launch-wide id of tid 0
+        self.warps = []
+        for w in range(-(-n // LANES)):
+            t = w * LANES + np.arange(LANES)
+            tids = np.where(t < n, t, -1)
+            specials = {
+                "%tid.x": t % ntid[0], "%tid.y": (t // ntid[0]) % ntid[1], "%tid.z": t // (ntid[0] * ntid[1]),
+                "%laneid": np.arange(LANES), "%warpid": np.full(LANES, w),
+                **{f"%ntid.{a}": np.full(LANES, ntid[i]) for i, a in enumerate("xyz")},
+                **{f"%ctaid.{a}": np.full(LANES, ctaid[i]) for i, a in enumerate("xyz")},
+                **{f"%nctaid.{a}": np.full(LANES, nctaid[i]) for i, a in enumerate("xyz")},
+            }
+            self.warps.append(Warp(self, prog, w, tids, specials))
+
+    def describe(self, tid: int) -> str:
+        return describe_thread(tid, self.ntid, self.ctaid)
+
+    def run(self, stats: Stats) -> None:
+        while True:
+            waiting = [w for w in self.warps if not w.done and w.run()]
+            if not waiting:
+                break
+            # exited threads count as arrived; every other thread is at this barrier
+            stats.barriers += 1
+            self.shared.new_interval()
+        for w in self.warps:  # copies never waited for never land: nothing may read them anyway
+            stats.warp_steps += w.steps
+
+
+def _params(prog: Program, args: list) -> tuple[bytes, list[np.ndarray]]:
+    params = prog.entry.params
+    if len(args) != len(params):
+        raise InterpError(f"entry {prog.entry.name} takes {len(params)} parameters, got {len(args)} arguments")
+    arrays = [a for a in args if isinstance(a, np.ndarray)]
+    for a in arrays:
+        if not a.flags.c_contiguous:
+            raise InterpError("array arguments must be C-contiguous (results are copied back into them)")
+    glob = Global(arrays)
+    buf = bytearray(params[-1].offset + params[-1].size if params else 0)
+    k = 0
+    for p, a in zip(params, args):
+        if isinstance(a, np.ndarray):
+            if p.size != 8:
+                raise InterpError(f"parameter {p.name} is .{p.type}, not a pointer")
+            value = glob.addresses[k]
+            k += 1
+            struct.pack_into("<Q", buf, p.offset, value)
+        else:
+            fmt = _PACK.get(p.type)
+            if fmt is None:
+                raise InterpError(f"parameter type .{p.type} not supported")
+            if p.type.startswith(("u", "s", "b")):
+                a = int(a) & ((1 << (8 * p.size)) - 1)
+                fmt = {1: "<B", 2: "<H", 4: "<I", 8: "<Q"}[p.size]
+            struct.pack_into(fmt, buf, p.offset, a)
+    return bytes(buf), glob
+
+
+def run(ptx: str, entry: str, grid, block, dynamic_shared: int, args: list) -> Stats:
+    """Execute one launch of `entry`. args in PTX parameter order: numpy arrays for pointer parameters
+    (C-contiguous; every array is copied back after the launch, so outputs land in place) and Python
+    ints/floats for scalars. Raises an InterpError subclass for anything undefined or unsupported."""
+    prog = decode(ptx, entry)
+    grid, block = _dim3(grid), _dim3(block)
+    if block[0] * block[1] * block[2] > 1024 or min(block) < 1 or min(grid) < 1:
+        raise InterpError(f"launch of {grid} blocks × {block} threads is not valid")
+    params, glob = _params(prog, args)
+    dyn_base = -(-prog.static_shared // prog.dynamic_align) * prog.dynamic_align
+    shared_bytes = (dyn_base + dynamic_shared) if dynamic_shared else prog.static_shared
+    stats = Stats()
+    n = block[0] * block[1] * block[2]
+    glob.describe_owner = lambda owner: describe_thread(owner % n, block, _split3(owner // n, grid))
+    with np.errstate(all="ignore"):
+        for z in range(grid[2]):
+            for y in range(grid[1]):
+                for x in range(grid[0]):
+                    Block(prog, glob, params, shared_bytes, (x, y, z), block, grid).run(stats)
+                    stats.blocks += 1
+    glob.copy_back()
+    return stats
+

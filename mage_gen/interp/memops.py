@@ -1,0 +1,208 @@
+"""Memory and warp-synchronous instructions: ld, st, cp.async (+ commit/wait), shfl.sync.
+
+Loads and stores go through the warp (warp.load / warp.store), which picks global or shared memory
+by state space (or, for generic addresses, by which window the address falls in)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from mage_gen.interp.alu import TYPES, type_of
+from mage_gen.interp.errors import DivergenceError, UnknownInstruction
+from mage_gen.interp.program import DTYPES, LANES, Decoder, parse_int
+
+_SPACES = {"global", "shared", "shared::cta", "param", "local", "const"}
+_IGNORED = re.compile(r"^(nc|ca|cg|cs|lu|cv|wb|wt|weak|volatile|relaxed|cta|gpu|sys|L1::\w+|L2::(64B|128B|256B)"
+                      r"|v2|v4)$")
+
+
+def _space_and_width(parts: list[str]) -> tuple[str, int]:
+    space = next((p for p in parts[1:] if p in _SPACES), "generic")
+    if space == "shared::cta":
+        space = "shared"
+    for p in parts[1:]:
+        if p not in _SPACES and p not in TYPES and not _IGNORED.match(p):
+            raise UnknownInstruction(f"modifier .{p} not implemented")
+    if space in ("local", "const"):
+        raise UnknownInstruction(f"{space} memory not implemented")
+    return space, 4 if "v4" in parts else 2 if "v2" in parts else 1
+
+
+def _words_per(dt) -> int:
+    size = np.dtype(dt).itemsize
+    if size not in (4, 8):
+        raise UnknownInstruction(f"{size}-byte memory elements not implemented")
+    return size // 4
+
+
+def _widening(dec: Decoder, dsts: list[int], dt):
+    """An integer loaded into a wider register is sign- (.s) or zero-extended (.u/.b) to its size."""
+    have = {np.dtype(dec.prog.slot_dtypes[d]).itemsize for d in dsts if d >= 0}
+    size = np.dtype(dt).itemsize
+    if have == {size} or np.dtype(dt).kind == "f":
+        return None
+    if len(have) != 1 or max(have) < size:
+        raise UnknownInstruction("destination register narrower than the loaded type")
+    wide = max(have)
+    return np.dtype(("i" if np.dtype(dt).kind == "i" else "u") + str(wide)).type
+
+
+def _ld(dec: Decoder, st, parts):
+    space, n = _space_and_width(parts)
+    dt = DTYPES[type_of(parts)]
+    dsts = [dec.dst(x) for x in dec.vector(st.operands[0])]
+    if len(dsts) != n:
+        raise UnknownInstruction(f"{n} destinations expected")
+    what = f"line {st.line}: {st.text}"
+    widen = _widening(dec, dsts, dt)
+    if space == "param":
+        m = re.fullmatch(r"\[\s*([\w$]+)\s*(?:\+\s*(\d+))?\s*\]", st.operands[1])
+        if not m or m.group(1) not in dec.params:
+            raise UnknownInstruction(f"parameter operand {st.operands[1]!r} not understood")
+        off = dec.params[m.group(1)].offset + int(m.group(2) or 0)
+        size = np.dtype(dt).itemsize
+
+        def fn_param(w, mask):
+            value = np.frombuffer(w.block.params[off:off + size], dtype=dt)[0]
+            w.put(dsts[0], np.full(LANES, value, dtype=widen or dt), mask)
+        return fn_param
+    wpe = _words_per(dt)
+    base, off = dec.address(st.operands[1])
+    uoff = np.uint64(off & 0xFFFFFFFFFFFFFFFF)
+
+    def fn(w, mask):
+        addr = np.broadcast_to(base(w.r) + uoff, (LANES,))
+        sel = w.active(mask)
+        words = w.load(space, addr[sel], n * wpe, sel, what)
+        vals = np.ascontiguousarray(words).view(dt)  # (k, n)
+        if widen is not None:
+            vals = vals.astype(widen)
+        for j, d in enumerate(dsts):
+            w.put_lanes(d, vals[:, j], mask)
+    return fn
+
+
+def _st(dec: Decoder, st, parts):
+    space, n = _space_and_width(parts)
+    if space == "param":
+        raise UnknownInstruction("st.param not implemented")
+    dt = DTYPES[type_of(parts)]
+    srcs = [dec.src(x, dt) for x in dec.vector(st.operands[1])]
+    if len(srcs) != n:
+        raise UnknownInstruction(f"{n} sources expected")
+    _words_per(dt)
+    base, off = dec.address(st.operands[0])
+    uoff = np.uint64(off & 0xFFFFFFFFFFFFFFFF)
+    what = f"line {st.line}: {st.text}"
+
+    def fn(w, mask):
+        r = w.r
+        addr = np.broadcast_to(base(r) + uoff, (LANES,))
+        sel = w.active(mask)
+        vals = np.empty((LANES, n), dtype=dt)
+        for j, s in enumerate(srcs):
+            vals[:, j] = s(r)
+        w.store(space, addr[sel], vals[sel].view(np.uint32), sel, what)
+    return fn
+
+
+def _cp_async(dec: Decoder, st, parts):
+    if len(parts) < 3 or parts[1] != "async":
+        raise UnknownInstruction("only cp.async is implemented")
+    q = parts[2:]
+    what = f"line {st.line}: {st.text}"
+    if q == ["commit_group"]:
+        return lambda w, mask: w.cp_commit(mask)
+    if q == ["wait_group"]:
+        n = parse_int(st.operands[0])
+        return lambda w, mask: w.cp_wait(n, mask, what)
+    if q == ["wait_all"]:
+        def wait_all(w, mask):
+            w.cp_commit(mask)
+            w.cp_wait(0, mask, what)
+        return wait_all
+    if q[0] not in ("ca", "cg") or len(q) < 3 or q[1] not in ("shared", "shared::cta") or q[2] != "global":
+        raise UnknownInstruction("cp.async form not implemented")
+    extra = [p for p in q[3:] if not re.match(r"L2::(64B|128B|256B)$", p)]
+    if extra:
+        raise UnknownInstruction(f"cp.async modifier(s) {extra} not implemented")
+    if len(st.operands) > 4:
+        raise UnknownInstruction("cp.async with a cache policy operand not implemented")
+    size = parse_int(st.operands[2])
+    if size not in (4, 8, 16) or (q[0] == "cg" and size != 16):
+        raise UnknownInstruction(f"cp.async.{q[0]} of {size} bytes")
+    dbase, doff = dec.address(st.operands[0])
+    sbase, soff = dec.address(st.operands[1])
+    src_size = dec.src(st.operands[3], np.uint32) if len(st.operands) > 3 else None
+    udo, uso = np.uint64(doff), np.uint64(soff)
+
+    def fn(w, mask):
+        r = w.r
+        sel = w.active(mask)
+        dst = np.broadcast_to(dbase(r) + udo, (LANES,))[sel]
+        src = np.broadcast_to(sbase(r) + uso, (LANES,))[sel]
+        ssz = None if src_size is None else np.broadcast_to(src_size(r), (LANES,))[sel]
+        w.cp_issue(dst, src, size, ssz, sel, what)
+    return fn
+
+
+def _shfl(dec: Decoder, st, parts):
+    if parts[1] != "sync" or parts[2] not in ("bfly", "down", "up", "idx") or parts[-1] != "b32":
+        raise UnknownInstruction("shfl form not implemented (need shfl.sync.{bfly,down,up,idx}.b32)")
+    mode = parts[2]
+    dsts = st.operands[0].split("|")
+    d = dec.dst(dsts[0])
+    p = dec.dst(dsts[1]) if len(dsts) > 1 else -1
+    a = dec.src(st.operands[1], np.uint32)
+    b = dec.src(st.operands[2], np.uint32)
+    c = dec.src(st.operands[3], np.uint32)
+    member = dec.const(st.operands[4], np.uint32)
+    if member is None:
+        raise UnknownInstruction("shfl.sync with a register membermask not implemented")
+    members = ((int(member) >> np.arange(LANES)) & 1).astype(bool)
+    what = f"line {st.line}: {st.text}"
+    lane = np.arange(LANES, dtype=np.int64)
+
+    def plan(bv, cv):
+        bv, cv = np.asarray(bv).astype(np.int64), np.asarray(cv).astype(np.int64)
+        seg = (cv >> 8) & 0x1F
+        clamp = cv & 0x1F
+        min_lane = lane & seg
+        max_lane = min_lane | (clamp & ~seg)
+        if mode == "up":
+            j = lane - bv
+            ok = j >= max_lane
+        elif mode == "down":
+            j = lane + bv
+            ok = j <= max_lane
+        elif mode == "bfly":
+            j = lane ^ bv
+            ok = j <= max_lane
+        else:
+            j = min_lane | (bv & 0x1F & ~seg)
+            ok = j <= max_lane
+        return np.where(ok, j, lane), np.broadcast_to(ok, (LANES,))
+
+    fixed = None
+    if dec.const(st.operands[2], np.uint32) is not None and dec.const(st.operands[3], np.uint32) is not None:
+        fixed = plan(dec.const(st.operands[2], np.uint32), dec.const(st.operands[3], np.uint32))
+
+    def fn(w, mask):
+        r = w.r
+        active = w.live if mask is None else mask
+        if (members & ~active).any() or (active & ~members).any():
+            missing = np.flatnonzero(members & ~active)
+            lane_ = int(missing[0]) if missing.size else int(np.flatnonzero(active & ~members)[0])
+            raise DivergenceError(f"{what}: lane {lane_} of {w.describe_lane(lane_)}'s warp is named in the "
+                                  "membermask but does not execute this shfl.sync with the others (or the reverse)")
+        j, ok = fixed if fixed is not None else plan(b(r), c(r))
+        av = np.broadcast_to(a(r), (LANES,))
+        w.put(d, av[j], mask)
+        if p >= 0:
+            w.put(p, np.array(ok), mask)
+    return fn
+
+
+BUILDERS = {"ld": _ld, "st": _st, "cp": _cp_async, "shfl": _shfl}

@@ -1,0 +1,177 @@
+"""Global and shared memory as 32-bit words, with the checks that make the interpreter adversarial.
+
+Global: every buffer lies in one word array at a pointer-like address, with unmapped gaps between
+buffers; an access that does not fall wholly inside one buffer, or is misaligned, is a MemoryFault.
+Shared: starts as NaN; between two barriers it remembers, for every word, the thread that wrote it
+and the thread(s) that read it, and which thread's cp.async is still filling it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from mage_gen.interp.errors import MemoryFault, RaceError, StaleReadError
+
+GLOBAL_BASE = 0x7F00_0000_0000  # where the first buffer starts; looks like a device pointer
+GAP_BYTES = 4096  # unmapped bytes between buffers
+SHARED_GENERIC_BASE = 0x7E00_0000_0000  # generic address of shared-window address 0 (cvta)
+SHARED_POISON = 0x7FC0DEAD  # a quiet NaN: shared memory's contents before anything is written
+NONE, MANY = -1, -2
+
+Describe = Callable[[int], str]  # thread id in the block -> 'thread (5,0,0) of block (0,0,0)'
+
+
+class Global:
+    def __init__(self, arrays: list[np.ndarray]):
+        offsets, total = [], 0
+        for a in arrays:
+            offsets.append(total)
+            total += -(-a.nbytes // 256) * 256 + GAP_BYTES
+        self.words = np.zeros(max(total, 4) // 4, dtype=np.uint32)
+        self.arrays = arrays
+        self.starts = np.array([GLOBAL_BASE + o for o in offsets], dtype=np.uint64)
+        self.ends = np.array([GLOBAL_BASE + o + a.nbytes for o, a in zip(offsets, arrays)], dtype=np.uint64)
+        for o, a in zip(offsets, arrays):
+            raw = a.reshape(-1).view(np.uint8)
+            self.words.view(np.uint8)[o:o + raw.size] = raw
+        self.addresses = [int(s) for s in self.starts]
+        self.writer: np.ndarray | None = None  # launch-wide thread that stored each word, +1 (0: none)
+        self.describe_owner: Describe = str  # launch-wide thread id -> words (set by the launch)
+
+    def copy_back(self) -> None:
+        for start, a in zip(self.addresses, self.arrays):
+            o = start - GLOBAL_BASE
+            a.reshape(-1).view(np.uint8)[:] = self.words.view(np.uint8)[o:o + a.nbytes]
+
+    def _index(self, addr: np.ndarray, nbytes: int, tids, describe: Describe, what: str) -> np.ndarray:
+        addr = addr.astype(np.uint64, copy=False)
+        k = np.searchsorted(self.starts, addr, side="right") - 1
+        align = min(nbytes, 16)
+        ok = (k >= 0) & ((addr % np.uint64(align)) == 0)
+        ok[ok] &= addr[ok] + np.uint64(nbytes) <= self.ends[k[ok]]
+        if not ok.all():
+            bad = int(np.argmin(ok))
+            a = int(addr[bad])
+            inside = any(s <= a < e for s, e in zip(self.starts.tolist(), self.ends.tolist()))
+            why = (f"misaligned {nbytes}-byte access" if inside and a % align
+                   else f"{nbytes}-byte access outside every buffer")
+            raise MemoryFault(f"{what}: {why} at global address {a:#x} by {describe(int(tids[bad]))}"
+                              f"{self._nearest(a)}")
+        return ((addr - np.uint64(GLOBAL_BASE)) >> np.uint64(2)).astype(np.int64)
+
+    def _nearest(self, a: int) -> str:
+        for i, (s, e) in enumerate(zip(self.starts.tolist(), self.ends.tolist())):
+            if s - GAP_BYTES <= a < e + GAP_BYTES:
+                return f" (argument buffer {i} spans {s:#x}..{e:#x})"
+        return ""
+
+    def read(self, addr, nwords: int, tids, describe: Describe, what: str) -> np.ndarray:
+        """(lanes, nwords) uint32 words at each lane's byte address."""
+        idx = self._index(addr, 4 * nwords, tids, describe, what)
+        return self.words[idx[:, None] + np.arange(nwords)]
+
+    def write(self, addr, values: np.ndarray, tids, describe: Describe, what: str, owners=None) -> None:
+        """Store; with owners (launch-wide thread ids), two threads storing to one word is a RaceError:
+        which value a GPU would keep is undefined (the templates never store a word twice)."""
+        idx = self._index(addr, 4 * values.shape[1], tids, describe, what)
+        idx = idx[:, None] + np.arange(values.shape[1])
+        if owners is not None:
+            if self.writer is None:
+                self.writer = np.zeros(self.words.size, dtype=np.int64)
+            me = np.broadcast_to(np.asarray(owners, dtype=np.int64)[:, None] + 1, idx.shape)
+            prev = self.writer[idx]
+            self.writer[idx] = me
+            clash = ((prev != 0) & (prev != me)) | (self.writer[idx] != me)
+            if clash.any():
+                i = tuple(np.argwhere(clash)[0])
+                other = int(prev[i]) if prev[i] not in (0, me[i]) else int(self.writer[idx][i])
+                a = GLOBAL_BASE + 4 * int(idx[i])
+                raise RaceError(f"{what}: global-memory race at global address {a:#x}: "
+                                f"{describe(int(tids[i[0]]))} stores to a word that "
+                                f"{self.describe_owner(other - 1)} also stores to in this launch")
+        self.words[idx] = values
+
+
+class Shared:
+    """One block's shared memory and its race bookkeeping for the current barrier interval."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        n = max(1, -(-nbytes // 4))
+        self.words = np.full(n, SHARED_POISON, dtype=np.uint32)
+        self.writer = np.full(n, NONE, dtype=np.int32)
+        self.reader = np.full(n, NONE, dtype=np.int32)
+        self.pending = np.full(n, NONE, dtype=np.int32)  # thread whose cp.async is filling the word
+
+    def new_interval(self) -> None:
+        self.writer.fill(NONE)
+        self.reader.fill(NONE)
+
+    def index(self, addr, nwords: int, tids, describe: Describe, what: str) -> np.ndarray:
+        """(lanes, nwords) word indices; a MemoryFault outside the block's shared memory."""
+        addr = np.asarray(addr).astype(np.int64) & 0xFFFFFFFF
+        nbytes = 4 * nwords
+        ok = (addr % min(nbytes, 16) == 0) & (addr + nbytes <= self.nbytes)
+        if not ok.all():
+            bad = int(np.argmin(ok))
+            a = int(addr[bad])
+            why = "misaligned" if a % min(nbytes, 16) else f"out-of-bounds (the block has {self.nbytes} bytes)"
+            raise MemoryFault(f"{what}: {why} {nbytes}-byte shared access at shared address {a:#x} "
+                              f"by {describe(int(tids[bad]))}")
+        return (addr >> 2)[:, None] + np.arange(nwords)
+
+    def check_pending(self, idx, t, describe: Describe, what: str, writing: bool) -> None:
+        p = self.pending[idx]
+        if (p != NONE).any():
+            i = tuple(np.argwhere(p != NONE)[0])
+            verb = "writes" if writing else "reads"
+            raise StaleReadError(f"{what}: {describe(int(t[i]))} {verb} shared address {4 * int(idx[i]):#x} while "
+                                 f"a cp.async of {describe(int(p[i]))} is still filling it (no wait_group "
+                                 "has waited for it)")
+
+    def read(self, idx: np.ndarray, tids: np.ndarray, describe: Describe, what: str) -> np.ndarray:
+        t = np.broadcast_to(tids[:, None], idx.shape)
+        self.check_pending(idx, t, describe, what, False)
+        wr = self.writer[idx]
+        bad = (wr != NONE) & (wr != t)
+        if bad.any():
+            i = tuple(np.argwhere(bad)[0])
+            raise RaceError(f"{what}: shared-memory race at shared address {4 * int(idx[i]):#x}: "
+                            f"{describe(int(t[i]))} reads bytes that {describe(int(wr[i]))} wrote since the "
+                            "last barrier")
+        r = self.reader[idx]
+        self.reader[idx] = t
+        multi = (self.reader[idx] != t) | ((r != NONE) & (r != t))
+        if multi.any():
+            self.reader[idx[multi]] = MANY
+        return self.words[idx]
+
+    def check_conflict(self, idx: np.ndarray, t: np.ndarray, describe: Describe, what: str) -> None:
+        """A write by threads t to words idx races with another thread's access since the last barrier."""
+        for table, verb in ((self.writer, "wrote"), (self.reader, "read")):
+            o = table[idx]
+            bad = (o != NONE) & (o != t)
+            if bad.any():
+                i = tuple(np.argwhere(bad)[0])
+                who = "several other threads" if int(o[i]) == MANY else describe(int(o[i]))
+                raise RaceError(f"{what}: shared-memory race at shared address {4 * int(idx[i]):#x}: "
+                                f"{describe(int(t[i]))} writes bytes that {who} {verb} since the last barrier")
+
+    def claim_write(self, idx: np.ndarray, tids: np.ndarray, describe: Describe, what: str) -> None:
+        """Check that the writing threads own these words in this interval, and record them as writer."""
+        t = np.broadcast_to(tids[:, None], idx.shape)
+        self.check_conflict(idx, t, describe, what)
+        self.writer[idx] = t
+        clash = self.writer[idx] != t
+        if clash.any():
+            i = tuple(np.argwhere(clash)[0])
+            raise RaceError(f"{what}: shared-memory race at shared address {4 * int(idx[i]):#x}: "
+                            f"{describe(int(t[i]))} and {describe(int(self.writer[idx][i]))} write it in the "
+                            "same instruction")
+
+    def write(self, idx: np.ndarray, tids: np.ndarray, values: np.ndarray, describe: Describe, what: str) -> None:
+        self.check_pending(idx, np.broadcast_to(tids[:, None], idx.shape), describe, what, True)
+        self.claim_write(idx, tids, describe, what)
+        self.words[idx] = values

@@ -1,0 +1,263 @@
+"""One warp: 32 lanes as numpy vectors under an active mask, min-PC reconvergence.
+
+The warp runs the group of live lanes with the smallest PC; lanes that branch elsewhere wait with
+their own PC and rejoin when the running group reaches it. run() returns at a barrier or when every
+lane has exited. cp.async copies are held per warp until the wait_group that requires them."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mage_gen.interp.errors import DivergenceError, InterpError, UnknownInstruction
+from mage_gen.interp.memory import NONE, SHARED_GENERIC_BASE
+from mage_gen.interp.program import BAR, BRA, LANES, OP, view
+
+INF = 1 << 60
+ALL = np.ones(LANES, dtype=bool)
+
+
+class Warp:
+    def __init__(self, block, prog, index: int, tids: np.ndarray, specials: dict[str, np.ndarray]):
+        self.block, self.prog, self.instrs = block, prog, prog.instrs
+        zeros = {dt: np.zeros(LANES, dtype=dt) for dt in set(prog.slot_dtypes)}
+        self.r = [zeros[dt] for dt in prog.slot_dtypes]
+        for name, values in specials.items():
+            self.r[prog.slots[name]] = values.astype(np.uint32)
+        self.tids = tids
+        self.live = tids >= 0
+        self.mask = None if self.live.all() else self.live.copy()
+        self.pc = 0
+        self.pcs = np.zeros(LANES, dtype=np.int64)
+        self.other_min = INF
+        self.done = not self.live.any()
+        self.cp_open: list[list] = []  # issued, not committed: [lanes, idx, data, tids]
+        self.cp_groups: list[list] = []  # committed: [lanes mask, records]
+        self.steps = 0
+
+    # ---- register writes ----
+    def put(self, d: int, value: np.ndarray, m) -> None:
+        if d < 0:
+            return
+        if m is None:
+            self.r[d] = value
+        else:
+            old = self.r[d]
+            if old.dtype != value.dtype:
+                old = view(old, value.dtype)
+            self.r[d] = np.where(m, value, old)
+
+    def put_lanes(self, d: int, vals: np.ndarray, m) -> None:
+        """Write the values of the active lanes only (vals has one row per active lane)."""
+        if m is None:
+            self.r[d] = vals
+        else:
+            new = view(self.r[d], vals.dtype).copy()
+            new[m] = vals
+            self.r[d] = new
+
+    def active(self, m):
+        return slice(None) if m is None else m
+
+    def describe_lane(self, lane: int) -> str:
+        return self.block.describe(int(self.tids[lane]))
+
+    # ---- memory ----
+    def _split(self, addr):
+        """Generic addresses: (which lanes point into the shared window, their shared-window addresses)."""
+        a = addr.astype(np.uint64)
+        sh = (a >= np.uint64(SHARED_GENERIC_BASE)) & (a < np.uint64(SHARED_GENERIC_BASE + (1 << 32)))
+        return sh, a - np.uint64(SHARED_GENERIC_BASE)
+
+    def load(self, space: str, addr, nwords: int, sel, what: str) -> np.ndarray:
+        tids = self.tids[sel]
+        b = self.block
+        if space == "generic":
+            sh, local = self._split(addr)
+            if sh.all():
+                space, addr = "shared", local
+            elif not sh.any():
+                space = "global"
+            else:
+                out = np.empty((len(addr), nwords), dtype=np.uint32)
+                out[sh] = self.load("shared", local[sh], nwords, _sub(sel, sh), what)
+                out[~sh] = self.load("global", addr[~sh], nwords, _sub(sel, ~sh), what)
+                return out
+        if space == "global":
+            return b.glob.read(addr, nwords, tids, b.describe, what)
+        idx = b.shared.index(addr, nwords, tids, b.describe, what)
+        return b.shared.read(idx, tids, b.describe, what)
+
+    def store(self, space: str, addr, values: np.ndarray, sel, what: str) -> None:
+        tids = self.tids[sel]
+        b = self.block
+        if space == "generic":
+            sh, local = self._split(addr)
+            if sh.all():
+                space, addr = "shared", local
+            elif not sh.any():
+                space = "global"
+            else:
+                self.store("shared", local[sh], values[sh], _sub(sel, sh), what)
+                self.store("global", addr[~sh], values[~sh], _sub(sel, ~sh), what)
+                return
+        if space == "global":
+            b.glob.write(addr, values, tids, b.describe, what, tids + b.first_tid)
+        else:
+            idx = b.shared.index(addr, values.shape[1], tids, b.describe, what)
+            b.shared.write(idx, tids, values, b.describe, what)
+
+    # ---- cp.async ----
+    def cp_issue(self, dst, src, size: int, ssz, sel, what: str) -> None:
+        b, sh = self.block, self.block.shared
+        tids = self.tids[sel]
+        lanes = np.arange(LANES)[sel]
+        nw = size // 4
+        idx = sh.index(dst, nw, tids, b.describe, what)
+        if ssz is None:
+            data = b.glob.read(src, nw, tids, b.describe, what)
+        else:
+            ssz = np.asarray(ssz).astype(np.int64)
+            data = np.zeros((len(tids), nw), dtype=np.uint32)
+            for v in np.unique(ssz).tolist():
+                if v == 0:
+                    continue
+                if v > size or v % 4:
+                    raise UnknownInstruction(f"{what}: src-size {v} of a {size}-byte cp.async not implemented")
+                rows = ssz == v
+                data[rows, :v // 4] = b.glob.read(src[rows], v // 4, tids[rows], b.describe, what)
+        t = np.broadcast_to(tids[:, None], idx.shape)
+        sh.check_pending(idx, t, b.describe, what, True)
+        sh.check_conflict(idx, t, b.describe, what)  # it may land any time from now to its wait
+        sh.pending[idx] = t
+        self.cp_open.append([lanes, idx, data, tids, what])
+
+    def cp_commit(self, m) -> None:
+        cur = self.live if m is None else m
+        taken, keep = [], []
+        for rec in self.cp_open:
+            rows = cur[rec[0]]
+            if rows.all():
+                taken.append(rec)
+            else:
+                if rows.any():
+                    taken.append([x[rows] for x in rec[:4]] + [rec[4]])
+                keep.append([x[~rows] for x in rec[:4]] + [rec[4]])
+        self.cp_open = keep
+        self.cp_groups.append([cur.copy(), taken])
+
+    def cp_wait(self, n: int, m, what: str) -> None:
+        cur = self.live if m is None else m
+        seen = np.zeros(LANES, dtype=np.int64)
+        for g in reversed(self.cp_groups):
+            land = cur & g[0] & (seen >= n)
+            seen += g[0]
+            if not land.any():
+                continue
+            rest = []
+            for rec in g[1]:
+                rows = land[rec[0]]
+                if rows.any():
+                    self._land(rec[1][rows], rec[2][rows], rec[3][rows], rec[4])
+                if not rows.all():
+                    rest.append([x[~rows] for x in rec[:4]] + [rec[4]])
+            g[0] = g[0] & ~land
+            g[1] = rest
+        self.cp_groups = [g for g in self.cp_groups if g[0].any()]
+
+    def _land(self, idx, data, tids, what: str) -> None:
+        b, sh = self.block, self.block.shared
+        sh.pending[idx] = NONE
+        sh.claim_write(idx, tids, b.describe, what)
+        sh.words[idx] = data
+
+    # ---- control ----
+    def _reschedule(self, pc: int, cur: np.ndarray) -> int:
+        self.pcs[cur] = pc
+        live = self.live
+        pcs = np.where(live, self.pcs, INF)
+        new = int(pcs.min())
+        group = pcs == new
+        rest = live & ~group
+        self.other_min = int(pcs[rest].min()) if rest.any() else INF
+        self.mask = None if group.all() else group
+        return new
+
+    def run(self) -> bool:
+        """Execute until a barrier (True) or until every lane has exited (False)."""
+        instrs, r = self.instrs, self.r
+        pc, mask = self.pc, self.mask
+        steps = 0
+        try:
+            while True:
+                ins = instrs[pc]
+                steps += 1
+                m = mask
+                if ins.guard >= 0:
+                    g = r[ins.guard]
+                    if ins.neg:
+                        g = ~g
+                    m = g if mask is None else mask & g
+                    if not m.any():
+                        pc += 1
+                        if pc >= self.other_min:
+                            pc = self._reschedule(pc, ALL if mask is None else mask)
+                            mask = self.mask
+                        continue
+                    if mask is None and m.all():
+                        m = None
+                kind = ins.kind
+                if kind == OP:
+                    ins.fn(self, m)
+                    pc += 1
+                elif kind == BRA:
+                    cur = ALL if mask is None else mask
+                    if m is None or m is mask or (m == cur).all():  # every running lane branches
+                        pc = ins.target
+                    else:
+                        if ins.uni:
+                            raise DivergenceError(f"line {ins.line}: {ins.text}: bra.uni taken by only some lanes "
+                                                  f"of {self.block.describe(int(self.tids[self.live][0]))}'s warp")
+                        self.pcs[cur & ~m] = pc + 1
+                        self.pcs[m] = ins.target
+                        pc = self._reschedule(ins.target, m)
+                        mask = self.mask
+                        continue
+                elif kind == BAR:
+                    if ins.guard >= 0 or self.other_min != INF:
+                        raise DivergenceError(f"line {ins.line}: {ins.text}: bar.sync reached by part of a "
+                                              f"diverged warp ({self.block.describe(int(self.tids[self.live][0]))}'s)")
+                    self.pc, self.mask = pc + 1, mask
+                    self.steps += steps
+                    return True
+                else:  # EXIT
+                    cur = ALL if mask is None else mask
+                    leaving = cur if m is None else m
+                    self.live = self.live & ~leaving
+                    if not self.live.any():
+                        self.done = True
+                        self.steps += steps
+                        return False
+                    remaining = cur & ~leaving
+                    if remaining.any():
+                        mask = remaining
+                        pc += 1
+                    else:
+                        pc = self._reschedule(INF, leaving)
+                        mask = self.mask
+                        continue
+                if pc >= self.other_min:
+                    pc = self._reschedule(pc, ALL if mask is None else mask)
+                    mask = self.mask
+        except InterpError:
+            raise
+        except Exception as exc:  # a numpy error inside an instruction: name it
+            raise InterpError(f"line {ins.line}: {ins.text}: {type(exc).__name__}: {exc}") from exc
+
+
+def _sub(sel, part: np.ndarray):
+    """The lanes selector for a subset 'part' of the lanes that 'sel' selects."""
+    lanes = np.arange(LANES)[sel][part]
+    out = np.zeros(LANES, dtype=bool)
+    out[lanes] = True
+    return out
+
