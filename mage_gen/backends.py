@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from mage_gen.errors import MageError
 from mage_gen.measure import Bench, Evaluation, GateResult, gate, interleave
 from mage_gen.ops import Op
 from mage_gen.peers import make_peers
@@ -21,6 +22,8 @@ class Backend(Protocol):
     arch: str
 
     def evaluate(self, variant: Any) -> Evaluation: ...
+
+    def close(self) -> None: ...
 
     def final(self, variants: Sequence[Any], progress: Callable[[], None] | None = None
               ) -> tuple[dict[str, dict[str, Timing]], dict[str, dict[str, Any]], dict[str, str]]:
@@ -38,6 +41,9 @@ class GpuBackend:
 
     def evaluate(self, variant: Any) -> Evaluation:
         return self.bench.evaluate(variant)
+
+    def close(self) -> None:
+        pass  # the context is the process's; it goes with it
 
     def final(self, variants, progress=None):
         subjects, kernels, dropped = [], [], {}
@@ -69,11 +75,21 @@ class ReplayBackend:
     """Answers from a bench/layernorm_trials.py recording: the tuner's logic tested without a GPU."""
 
     def __init__(self, path: Path):
-        self.recording = json.loads(Path(path).read_text())
-        self.device = self.recording["gpu"]
-        self.arch = "sm_" + self.device["cc"].replace(".", "")
-        self._by_kernel = {r["kernel"]: r for r in self.recording["variants"]}
+        remedy = "give a recording written by bench/layernorm_trials.py"
+        try:
+            self.recording = json.loads(Path(path).read_text())
+            self.device = self.recording["gpu"]
+            self.arch = "sm_" + self.device["cc"].replace(".", "")
+            self._by_kernel = {r["kernel"]: r for r in self.recording["variants"]}
+        except OSError as exc:
+            raise MageError(f"replay: cannot read {path}: {exc.strerror or exc}; {remedy}") from None
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # not JSON, or not shaped like one
+            why = f"no {exc} key" if isinstance(exc, KeyError) else " ".join(str(exc).split())
+            raise MageError(f"replay: {path} is not a recording ({why}); {remedy}") from None
         self.evaluated: list[str] = []  # what was measured, in order: tests assert on it
+
+    def close(self) -> None:
+        pass
 
     def _record(self, variant: Any) -> dict:
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
@@ -13,18 +14,19 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from mage_gen.backends import Backend, GpuBackend, ReplayBackend
+from mage_gen.backends import Backend, ReplayBackend
 from mage_gen.census import Census
 from mage_gen.compile import DEFAULT_ARCH, check_arch
-from mage_gen.emit import emit
+from mage_gen.emit import check_out_dir, emit
 from mage_gen.errors import MageError, NoGpuError
 from mage_gen.ops import Op, get_op
 from mage_gen.space import expand, load_space
-from mage_gen.store import load_winner, save_entry
+from mage_gen.store import check_can_save, load_winner, save_entry
 from mage_gen.timing import Timing
 from mage_gen.tune import TuneResult
 from mage_gen.tune import tune as tune_search
 from mage_gen.variants import Variant, build, build_all
+from mage_gen.worker import IsolatedBackend, gpu_backend
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Generate, check and tune GPU kernels written with inline PTX.")
@@ -76,7 +78,7 @@ def _launch_dict(op: Op, shape: Any, params: Any, run: dict[str, int]) -> dict[s
 
 def _variant_dict(op: Op, shape: Any, variant: Variant, run: dict[str, int]) -> dict[str, Any]:
     return {
-        "op": op.name, "shape": vars(shape), "params": vars(variant.params),
+        "op": op.name, "shape": vars(shape), "params": op.params_to_dict(variant.params),
         "kernel": variant.source.kernel_name, "arch": variant.compiled.arch,
         "template": variant.source.template, "template_hash": variant.source.template_hash,
         "launch": _launch_dict(op, shape, variant.params, run),
@@ -250,7 +252,7 @@ def _print_result(op: Op, result: TuneResult, objective: str) -> None:
                       f"{p['cold'].median_us:.2f}", "", *("" for _ in peers))
     out.print(table)
     c = result.winner.census
-    out.print(f"winner census: {c['registers']} registers, {c['shared_bytes']} B shared, {c['spill_bytes']} B spills, "
+    out.print(f"winner census: {c['registers']} registers, {c['shared_bytes']} B shared, {c['spill_bytes']} B spills"
               + "".join(f", {tensor} loads {_widths(c['global_loads'], tensor)} in {c['passes'][tensor]} pass(es)"
                         for tensor in c["passes"] if tensor != "?")
               + (f", cp.async {' '.join(f'{n}×{b}B' for b, n in c['cp_async'].items())}" if c["cp_async"] else "")
@@ -292,14 +294,17 @@ def tune_command(
     backend: Backend | None = None
     no_gpu = ""
     try:
-        backend = ReplayBackend(replay) if replay else GpuBackend(op, shape, run, seed)
-    except NoGpuError as exc:
+        # On the GPU every trial runs in a worker process: a variant that crashes or hangs fails alone.
+        backend = ReplayBackend(replay) if replay else IsolatedBackend(partial(gpu_backend, op.name, shape, run, seed))
+    except NoGpuError as exc:  # a bad --replay file is ReplayBackend's own one-line MageError
         no_gpu = str(exc)
-    except (OSError, ValueError, KeyError) as exc:
-        raise MageError(f"replay: cannot read {replay}: {exc}") from None
     if backend is not None and arch and check_arch(arch) != backend.arch:
         raise MageError(f"arch: the GPU here is {backend.arch}; kernels for {arch} cannot be timed on it")
     target = backend.arch if backend else check_arch(arch or DEFAULT_ARCH)
+    if backend is not None:
+        # Where the winner goes is checked before the search, so that nothing is measured in vain.
+        check_can_save(op.name, backend.device["name"])
+        check_out_dir(out_dir)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, transient=True, disable=not err.is_terminal) as progress:
         task = progress.add_task("compiling", total=len(valid))
@@ -313,8 +318,11 @@ def tune_command(
             progress.update(trial_task, description="measuring" if stage == "trials" else "re-timing finalists",
                             completed=done, total=total)
 
-        result = tune_search(op, shape, run, space, backend, objective=objective, trials=trials,
-                             storage=storage, study_name=study, seed=seed, progress=report)
+        try:
+            result = tune_search(op, shape, run, space, backend, objective=objective, trials=trials,
+                                 storage=storage, study_name=study, seed=seed, progress=report)
+        finally:
+            backend.close()
     entry = result.entry(op, shape, run, backend.device, objective)
     stored = save_entry(op.name, backend.device["name"], op.shape_key(shape), entry)
     _print_result(op, result, objective)

@@ -15,7 +15,7 @@ import mage_gen
 from mage_gen.compile import nvrtc_version
 from mage_gen.errors import MageError
 from mage_gen.ops import Arg, Op
-from mage_gen.store import write_atomic
+from mage_gen.store import unwritable, write_atomic
 from mage_gen.timing import Timing
 from mage_gen.variants import Variant, build
 
@@ -41,8 +41,18 @@ def emit(op: Op, shape: Any, params: Any, arch: str, out_dir: Path,
             write_atomic(out_dir / name, data)
             written.append(out_dir / name)
     except OSError as exc:
-        raise MageError(f"cannot write kernels to {out_dir}: {exc.strerror or exc}") from None
+        raise MageError(f"cannot write kernels to {out_dir}: {exc.strerror or exc}; {_OUT_REMEDY}") from None
     return written
+
+
+_OUT_REMEDY = "choose a writable folder with --out"
+
+
+def check_out_dir(out_dir: Path) -> None:
+    """Fail before a search, not after it, where the winner could not be emitted. Creates nothing."""
+    why = unwritable(out_dir)
+    if why:
+        raise MageError(f"cannot write kernels to {out_dir}: {why}; {_OUT_REMEDY}")
 
 
 def _c_type(arg: Arg) -> str:

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import secrets
+import tempfile
 from dataclasses import dataclass, fields
 from datetime import datetime
 from pathlib import Path
@@ -76,8 +77,38 @@ def save_entry(op_name: str, gpu_name: str, shape_key: str, entry: dict[str, Any
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, text.encode())
     except OSError as exc:
-        raise StoreError(f"cannot write {path}: {exc.strerror or exc}") from None
+        raise StoreError(f"cannot write {path}: {exc.strerror or exc}; make that folder writable or set "
+                         "MAGE_GEN_TUNED to one that is") from None
     return path
+
+
+def check_can_save(op_name: str, gpu_name: str, directory: Path | None = None) -> Path:
+    """Fail before a search, not after it, where its winner could not be stored: a file save_entry would
+    refuse (corrupt), or a folder that cannot be written. Writes nothing."""
+    path = store_file(op_name, gpu_name, directory)
+    if path.exists():
+        _read(path, op_name)
+    why = unwritable(path.parent)
+    if why:
+        raise StoreError(f"cannot write {path}: {why}; make that folder writable or set MAGE_GEN_TUNED to one "
+                         "that is")
+    return path
+
+
+def unwritable(folder: Path) -> str | None:
+    """Why files could not be written into folder (made first where missing), or None. Leaves nothing behind:
+    the probe is a nameless temporary file in the nearest folder that exists."""
+    existing = folder.absolute()
+    while not existing.exists():  # ends at the root at the latest
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is not a folder"
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        return f"{existing}: {exc.strerror or exc}"
+    return None
 
 
 def load_entry(op_name: str, gpu_name: str, shape_key: str, current_template_hash: str | None = None,

@@ -128,6 +128,13 @@ def _open_study(name: str, storage: str, sampler: optuna.samplers.BaseSampler, i
                         "give a reachable database URL with --storage") from None
     stored = study.user_attrs.get("identity")
     if stored is None:
+        # Adopt only an empty minimising study: another tool's trials or direction would make Optuna fail
+        # mid-search (its distributions cannot change) or rank backwards.
+        foreign = study.get_trials(deepcopy=False)
+        if foreign or study.directions != [optuna.study.StudyDirection.MINIMIZE]:
+            raise ConfigError(f"study: study {name!r} was not made by mage-gen tune (no identity, "
+                              f"{len(foreign)} trial(s), {', '.join(d.name.lower() for d in study.directions)}); "
+                              "choose another --study name")
         study.set_user_attr("identity", identity)
     elif stored != identity:
         raise ConfigError(f"study: study {name!r} belongs to {stored}, not {identity}; "

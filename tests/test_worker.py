@@ -1,0 +1,132 @@
+"""The tuner's worker process on the CPU: stand-in backends that hang, crash, raise a CUDA error or
+fail otherwise, in a real spawned child, as a GPU variant would."""
+
+import functools
+import os
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from mage_gen.errors import GpuError, MageError, NoGpuError
+from mage_gen.measure import Evaluation, GateResult
+from mage_gen.timing import Timing
+from mage_gen.worker import IsolatedBackend
+
+
+@dataclass(frozen=True)
+class Job:
+    """Stands in for a Variant: what the stand-in backend should do with it."""
+
+    action: str
+
+
+class StandIn:
+    """Behaves as each Job says, the way a broken kernel would make a GpuBackend behave."""
+
+    device = {"name": "stand-in", "cc": "9.0", "sms": 1, "l2_bytes": 0, "driver": "0"}
+    arch = "sm_90"
+
+    def __init__(self):
+        self.pid = os.getpid()
+
+    def evaluate(self, job: Job) -> Evaluation:
+        if job.action == "hang":  # a kernel that never finishes
+            time.sleep(3600)
+        if job.action == "crash":  # the process killed under us
+            os._exit(3)
+        if job.action == "gpu_error":  # an illegal address leaves the context unusable
+            raise GpuError("cuStreamSynchronize failed: CUDA_ERROR_ILLEGAL_ADDRESS")
+        if job.action == "error":
+            raise ValueError("a bug in the backend")
+        if job.action == "pid":
+            return Evaluation(GateResult(True, str(os.getpid()), 0.0))
+        t = Timing.from_samples("hot", [1.0, 1.1])
+        return Evaluation(GateResult(True, "", 1e-7), t, t)
+
+    def final(self, jobs):
+        return {}, {}, {}
+
+
+def refuse():
+    raise NoGpuError("no CUDA driver on this machine")
+
+
+def broken():
+    raise RuntimeError("cannot start")
+
+
+@pytest.fixture
+def worker():
+    backend = IsolatedBackend(StandIn, min_timeout_s=0.5, first_timeout_s=60)
+    assert backend.evaluate(Job("ok")).gate.passed  # the median trial time now sets the timeout
+    yield backend
+    backend.close()
+
+
+def child_pid(backend) -> int:
+    return int(backend.evaluate(Job("pid")).gate.reason)
+
+
+@pytest.mark.parametrize("action, says", [
+    ("hang", "no answer in"),
+    ("crash", "exit code 3"),
+    ("gpu_error", "CUDA_ERROR_ILLEGAL_ADDRESS"),
+])
+def test_a_broken_trial_fails_with_its_reason_and_the_worker_is_replaced(worker, action, says):
+    before = child_pid(worker)
+    started = time.monotonic()
+    result = worker.evaluate(Job(action))
+    assert not result.gate.passed and says in result.gate.reason and "restarted" in result.gate.reason
+    assert result.hot is None  # a failed trial is never timed
+    assert time.monotonic() - started < 30
+    assert worker.restarts == 1 and child_pid(worker) != before
+    assert worker.evaluate(Job("ok")).gate.passed  # the study goes on
+
+
+def test_an_ordinary_exception_fails_the_trial_and_keeps_the_worker(worker):
+    before = child_pid(worker)
+    result = worker.evaluate(Job("error"))
+    assert not result.gate.passed and "a bug in the backend" in result.gate.reason
+    assert worker.restarts == 0 and child_pid(worker) == before
+
+
+def test_the_timeout_follows_the_trials_so_far(worker):
+    assert worker.timeout_s() == 0.5  # fast stand-in trials: the floor
+    fresh = IsolatedBackend(StandIn, min_timeout_s=0.5, first_timeout_s=60)
+    try:
+        assert fresh.timeout_s() == 60  # nothing measured yet
+    finally:
+        fresh.close()
+
+
+def test_no_gpu_in_the_child_is_no_gpu_in_the_parent():
+    with pytest.raises(NoGpuError, match="no CUDA driver"):
+        IsolatedBackend(refuse, first_timeout_s=60)
+    with pytest.raises(MageError, match="could not start: RuntimeError: cannot start"):
+        IsolatedBackend(broken, first_timeout_s=60)
+
+
+def test_the_gpu_factory_is_picklable_for_a_spawned_child():
+    import pickle
+
+    from mage_gen.ops import get_op
+    from mage_gen.worker import gpu_backend
+
+    op = get_op("layernorm")
+    factory = functools.partial(gpu_backend, op.name, op.shape(d=768), {"m": 4096}, 0)
+    assert pickle.loads(pickle.dumps(factory)).args == factory.args
+
+
+def test_the_real_gpu_backend_in_a_child_says_there_is_no_gpu_here():
+    from mage_gen.ops import get_op
+    from mage_gen.worker import gpu_backend
+
+    op = get_op("layernorm")
+    try:
+        backend = IsolatedBackend(functools.partial(gpu_backend, op.name, op.shape(d=768), {"m": 4096}, 0))
+    except NoGpuError as exc:
+        assert "GPU" in str(exc)
+    else:  # on a GPU machine the child measures: the parent learns which GPU
+        assert backend.device["name"] and backend.arch.startswith("sm_")
+        backend.close()
