@@ -130,3 +130,29 @@ def test_the_real_gpu_backend_in_a_child_says_there_is_no_gpu_here():
     else:  # on a GPU machine the child measures: the parent learns which GPU
         assert backend.device["name"] and backend.arch.startswith("sm_")
         backend.close()
+
+
+def test_a_whole_search_through_the_worker_matches_one_in_process(tmp_path):
+    # ReplayBackend in the child: real Variants, Evaluations and final timings cross the pipe.
+    from pathlib import Path
+
+    from mage_gen.backends import ReplayBackend
+    from mage_gen.ops import get_op
+    from mage_gen.space import Space
+    from mage_gen.tune import tune
+
+    recording = Path(__file__).parent / "fixtures" / "layernorm_trials_h200_d768_m4096.json"
+    op = get_op("layernorm")
+    space = Space(op="layernorm", preset="corner", axes=(
+        ("template", ("row",)), ("threads", (64, 96, 128)), ("vector", (2, 4)), ("rows_per_block", (1,)),
+        ("rsqrt", ("approx",)), ("hint", ("nc",)), ("stats", ("two_pass",)), ("grid_cap", (0,))))
+    shape, run = op.shape(d=768), {"m": 4096}
+    isolated = IsolatedBackend(functools.partial(ReplayBackend, recording), first_timeout_s=60)
+    try:
+        through_worker = tune(op, shape, run, space, isolated, storage=f"sqlite:///{tmp_path / 'a.db'}")
+    finally:
+        isolated.close()
+    in_process = tune(op, shape, run, space, ReplayBackend(recording), storage=f"sqlite:///{tmp_path / 'b.db'}")
+    assert through_worker.winner.name == in_process.winner.name
+    assert through_worker.winner.hot == in_process.winner.hot
+    assert through_worker.peers.keys() == in_process.peers.keys() and isolated.restarts == 0
