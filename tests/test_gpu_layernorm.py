@@ -13,6 +13,8 @@ from mage_gen.ops import get_op
 from mage_gen.space import expand, load_space
 from mage_gen.variants import build
 
+import planted
+
 pytestmark = pytest.mark.gpu
 OP = get_op("layernorm")
 FULL = load_space(OP, "full")
@@ -48,3 +50,15 @@ def test_timings_are_positive_and_grow_with_the_problem(device):
             assert math.isfinite(t.median_us) and t.median_us > 0 and t.spread_us >= 0
     assert large.hot.median_us > 4 * small.hot.median_us  # 64× the rows cannot cost under 4× the time
     assert large.cold.median_us > small.cold.median_us
+
+
+
+@pytest.mark.parametrize("bug", sorted(planted.BUGS))
+def test_the_gate_rejects_each_planted_layernorm_bug(device, stream, bug):
+    for v, should_pass in ((planted.variant(device.arch), True), (planted.variant(device.arch, bug), False)):
+        kernel = gpu.Kernel(v.compiled.cubin, v.source.kernel_name)
+        try:
+            result = gate(OP, planted.SHAPE, v.params, kernel, {"m": 4096}, np.random.default_rng(3), stream)
+        finally:
+            kernel.unload()
+        assert result.passed == should_pass, (bug, result.reason)

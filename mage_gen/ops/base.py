@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Protocol
 
 import numpy as np
@@ -18,6 +18,15 @@ def params_from(params_type: type, op_name: str, values: dict[str, Any], hidden:
     if unknown:
         raise ConfigError(f"params: unknown {op_name} parameter(s) {unknown}; known: {sorted(known - hidden)}")
     return params_type(**values)
+
+
+def params_dict(params: Any) -> dict[str, Any]:
+    """Params as a plain dict; a planted bug's empty switch is left out: it belongs to no search space
+    and no stored winner."""
+    values = asdict(params)
+    if not values.get("plant", True):
+        del values["plant"]
+    return values
 
 
 def register_cap(block_threads: int) -> int:

@@ -9,13 +9,13 @@ d is fixed when the kernel is generated; M is given at launch. Templates:
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from mage_gen.errors import ConfigError
-from mage_gen.ops.base import Arg, Launch, params_from, register_cap
+from mage_gen.ops.base import Arg, Launch, params_dict, params_from, register_cap
 from mage_gen.render import Source, render
 
 TEMPLATES = ("row", "multirow", "wide")
@@ -88,7 +88,7 @@ class LayerNorm:
         return params_from(Params, self.name, values)
 
     def params_to_dict(self, params: Params) -> dict[str, Any]:
-        return asdict(params)
+        return params_dict(params)
 
     def validate(self, shape: Shape, p: Params) -> None:
         d, t, v = shape.d, p.threads, p.vector

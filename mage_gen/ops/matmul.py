@@ -8,13 +8,13 @@ accumulating a TM×TN tile of C in registers.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from mage_gen.errors import ConfigError
-from mage_gen.ops.base import Arg, Launch, params_from, register_cap
+from mage_gen.ops.base import Arg, Launch, params_dict, params_from, register_cap
 from mage_gen.render import Source, render
 
 MAX_SHARED_BYTES = 227 * 1024  # the opt-in limit per block on sm_90; smaller GPUs refuse at launch
@@ -81,10 +81,7 @@ class Matmul:
         return params_from(Params, self.name, values, hidden=frozenset({"plant"}))
 
     def params_to_dict(self, params: Params) -> dict[str, Any]:
-        values = asdict(params)
-        if not values["plant"]:
-            del values["plant"]  # never part of a search space or a stored winner
-        return values
+        return params_dict(params)
 
     def validate(self, shape: Shape, p: Params) -> None:
         for name in ("bm", "bn", "bk", "tm", "tn"):
