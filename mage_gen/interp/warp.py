@@ -68,43 +68,42 @@ class Warp:
         sh = (a >= np.uint64(SHARED_GENERIC_BASE)) & (a < np.uint64(SHARED_GENERIC_BASE + (1 << 32)))
         return sh, a - np.uint64(SHARED_GENERIC_BASE)
 
+    def _spaces(self, space: str, addr, sel) -> list[tuple[str, np.ndarray, object, np.ndarray | None]]:
+        """(space, addresses, lane selection, which of the lanes) per state space the access touches:
+        a generic access splits between the shared window and global memory."""
+        if space != "generic":
+            return [(space, addr, sel, None)]
+        sh, local = self._split(addr)
+        if sh.all():
+            return [("shared", local, sel, None)]
+        if not sh.any():
+            return [("global", addr, sel, None)]
+        return [("shared", local[sh], _sub(sel, sh), sh), ("global", addr[~sh], _sub(sel, ~sh), ~sh)]
+
     def load(self, space: str, addr, nwords: int, sel, what: str) -> np.ndarray:
-        tids = self.tids[sel]
+        parts = self._spaces(space, addr, sel)
+        out = np.empty((len(addr), nwords), dtype=np.uint32) if len(parts) > 1 else None
         b = self.block
-        if space == "generic":
-            sh, local = self._split(addr)
-            if sh.all():
-                space, addr = "shared", local
-            elif not sh.any():
-                space = "global"
+        for where, a, s, lanes in parts:
+            tids = self.tids[s]
+            if where == "global":
+                values = b.glob.read(a, nwords, tids, b.describe, what)
             else:
-                out = np.empty((len(addr), nwords), dtype=np.uint32)
-                out[sh] = self.load("shared", local[sh], nwords, _sub(sel, sh), what)
-                out[~sh] = self.load("global", addr[~sh], nwords, _sub(sel, ~sh), what)
-                return out
-        if space == "global":
-            return b.glob.read(addr, nwords, tids, b.describe, what)
-        idx = b.shared.index(addr, nwords, tids, b.describe, what)
-        return b.shared.read(idx, tids, b.describe, what)
+                values = b.shared.read(b.shared.index(a, nwords, tids, b.describe, what), tids, b.describe, what)
+            if lanes is None:
+                return values
+            out[lanes] = values
+        return out
 
     def store(self, space: str, addr, values: np.ndarray, sel, what: str) -> None:
-        tids = self.tids[sel]
         b = self.block
-        if space == "generic":
-            sh, local = self._split(addr)
-            if sh.all():
-                space, addr = "shared", local
-            elif not sh.any():
-                space = "global"
+        for where, a, s, lanes in self._spaces(space, addr, sel):
+            tids = self.tids[s]
+            v = values if lanes is None else values[lanes]
+            if where == "global":
+                b.glob.write(a, v, tids, b.describe, what, tids + b.first_tid)
             else:
-                self.store("shared", local[sh], values[sh], _sub(sel, sh), what)
-                self.store("global", addr[~sh], values[~sh], _sub(sel, ~sh), what)
-                return
-        if space == "global":
-            b.glob.write(addr, values, tids, b.describe, what, tids + b.first_tid)
-        else:
-            idx = b.shared.index(addr, values.shape[1], tids, b.describe, what)
-            b.shared.write(idx, tids, values, b.describe, what)
+                b.shared.write(b.shared.index(a, v.shape[1], tids, b.describe, what), tids, v, b.describe, what)
 
     # ---- cp.async ----
     def cp_issue(self, dst, src, size: int, ssz, sel, what: str) -> None:
