@@ -15,7 +15,7 @@ from mage_gen.variants import build
 
 pytestmark = pytest.mark.gpu
 OP = get_op("matmul")
-QUICK = load_space(OP, "quick")
+SPACE = load_space(OP, "explore")
 
 
 def run_gate(device, stream, shape, params, seed=0):
@@ -33,7 +33,7 @@ def run_gate(device, stream, shape, params, seed=0):
 def test_drawn_variants_match_the_float64_reference(device, stream, data):
     dims = st.one_of(st.integers(1, 300), st.sampled_from([64, 128, 1000, 1024]))
     shape = OP.shape(m=data.draw(dims, label="m"), n=data.draw(dims, label="n"), k=data.draw(dims, label="k"))
-    valid, _ = expand(OP, shape, QUICK)
+    valid, _ = expand(OP, shape, SPACE)
     if not valid:  # an N that no 16-byte copy of B can serve
         return
     params = data.draw(st.sampled_from(valid), label="params")

@@ -32,7 +32,7 @@ def ln_valid(d: int) -> tuple:
 
 @cache
 def mm_valid(m: int, n: int, k: int) -> tuple:
-    valid, _ = expand(MM, MM.shape(m=m, n=n, k=k), load_space(MM, "quick"))
+    valid, _ = expand(MM, MM.shape(m=m, n=n, k=k), load_space(MM, "explore"))
     return tuple(valid)
 
 

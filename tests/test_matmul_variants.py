@@ -15,7 +15,7 @@ from mage_gen.variants import build, build_all
 OP = get_op("matmul")
 SEED = Params()  # 64×64×32 block tile, 4×4 per thread, A transposed (4-byte copies), B 16-byte, 2 buffers
 RULES = {"tile", "thread-tile", "tile-divides", "threads", "buffers", "a-layout", "copy-width", "padding",
-         "divisibility", "tile-copy", "shared-memory", "registers", "plant"}
+         "divisibility", "tile-copy", "shared-memory", "registers", "plant", "lanes", "split", "warp-tile"}
 
 params_strategy = st.builds(
     Params,
@@ -23,6 +23,7 @@ params_strategy = st.builds(
     tm=st.sampled_from([4, 8]), tn=st.sampled_from([4, 8]), buffers=st.sampled_from([1, 2, 3]),
     a_layout=st.sampled_from(["transposed", "direct"]), a_width=st.sampled_from([4, 8, 16]),
     b_width=st.sampled_from([4, 8, 16]), a_pad=st.sampled_from([0, 4]), b_pad=st.sampled_from([0, 4]),
+    lanes_m=st.sampled_from([1, 2, 4, 8]), split=st.booleans(),
 )
 sizes = st.one_of(st.integers(1, 300), st.sampled_from([64, 128, 256, 1000, 1024]))
 
@@ -104,8 +105,11 @@ def test_planted_bugs_stay_out_of_search_spaces_and_records():
     ((1024, 1024, 1024), Params(a_pad=2), "padding"),
     ((1024, 1022, 1024), Params(), "divisibility"),
     ((1024, 1024, 1024), Params(bm=128, bn=128, bk=128, tm=8, tn=8, buffers=3), "shared-memory"),
-    ((1024, 1024, 1024), Params(bm=32, bn=32, bk=4, tm=4, tn=4), "tile-copy"),
-    ((1024, 1024, 1024), Params(bm=64, bn=64, bk=32, tm=8, tn=8), "registers"),
+    ((1024, 1024, 1024), Params(bm=32, bn=32, bk=4, tm=4, tn=4, lanes_m=4), "tile-copy"),
+    ((1024, 1024, 1024), Params(bm=64, bn=64, tm=8, tn=8), "warp-tile"),
+    ((1024, 1024, 1024), Params(lanes_m=3), "lanes"),
+    ((1024, 1024, 1024), Params(split=1), "split"),
+    ((1000, 1000, 1000), Params(bm=64, bn=64, bk=32, tm=8, tn=8, lanes_m=8), "registers"),
     ((1024, 1024, 1024), Params(plant="typo"), "plant"),
 ])
 def test_rejections_name_their_rule(dims, params, rule):

@@ -3,7 +3,9 @@
 M, N and K are fixed when the kernel is generated; tails (sizes that are not multiples of the tile)
 are handled by zero-filled copies and guarded stores. One template, `tiled`: a BM×BN block tile
 walked along K in BK steps through `buffers` shared-memory stages filled by cp.async, each thread
-accumulating a TM×TN tile of C in registers.
+accumulating a TM×TN tile of C in registers. A warp is lanes_m × 32/lanes_m threads over its warp tile;
+with `split` each thread's tile is 4×4 fragments spread over the warp tile, so that neighbouring lanes
+read neighbouring float4s of shared memory.
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ MAX_SHARED_BYTES = 227 * 1024  # the opt-in limit per block on sm_90; smaller GP
 MAX_DIM = 1 << 16
 MAX_THREADS = 256
 A_LAYOUTS = ("transposed", "direct")
+LANES_M = (1, 2, 4, 8)
 COPY_WIDTHS = (4, 8, 16)
 PLANTED_BUGS = ("", "offset_units", "last_tile_parity")  # test-only: the gate must reject both
-# Fitted to ptxas 13.0 over 360 random configs at 1000³, 1024³ and 37×64×70 (none it admits spilled):
-# ptxas keeps each copy's addresses and bounds in registers across the K loop, so copies per thread,
-# not only accumulators, set the count.
+# Fitted to ptxas 13.0 over random configs at 1000³ and 1024³ (none admitted spilled). With tails, ptxas keeps
+# each copy's address and bounds in registers across the K loop (6 per copy covered 360 configs); without, every
+# copy is a constant offset from two pointers and the rest of the kernel took at most 88 beyond the tiles.
 _REGISTERS_PER_COPY = 6
+_REGISTERS_WITHOUT_TAILS = 90
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,8 @@ class Params:
     b_width: int = 16  # bytes per cp.async of B
     a_pad: int = 4  # floats added to each shared-memory row of A (bank conflicts)
     b_pad: int = 0
+    lanes_m: int = 2  # lanes of a warp along m (the rest, 32/lanes_m, along n)
+    split: bool = False  # the thread tile as 4×4 fragments spread over the warp tile (conflict-free reads)
     plant: str = ""  # a deliberate pipeline bug, for the tests of the gate only
 
     @property
@@ -57,7 +63,8 @@ class Params:
 
     def label(self) -> str:
         return (f"{self.bm}x{self.bn}x{self.bk} t{self.tm}x{self.tn} buf{self.buffers} A:{self.a_layout}/{self.a_width}B"
-                f" B:{self.b_width}B pad{self.a_pad}/{self.b_pad}" + (f" PLANTED {self.plant}" if self.plant else ""))
+                f" B:{self.b_width}B pad{self.a_pad}/{self.b_pad} lanes{self.lanes_m}x{32 // self.lanes_m}"
+                f"{' split' if self.split else ''}" + (f" PLANTED {self.plant}" if self.plant else ""))
 
 
 class Matmul:
@@ -98,6 +105,14 @@ class Matmul:
         if threads % 32 or not 32 <= threads <= MAX_THREADS:
             raise ConfigError(f"threads: (bm/tm)·(bn/tn) = {threads} threads; it must be a multiple of 32 in "
                               f"32..{MAX_THREADS}")
+        if p.lanes_m not in LANES_M:
+            raise ConfigError(f"lanes: lanes_m (lanes of a warp along m) is one of {LANES_M}, got {p.lanes_m!r}")
+        if not isinstance(p.split, bool):
+            raise ConfigError(f"split: split is true or false, got {p.split!r}")
+        warp_m, warp_n = p.lanes_m * p.tm, (32 // p.lanes_m) * p.tn
+        if p.bm % warp_m or p.bn % warp_n:
+            raise ConfigError(f"warp-tile: a warp of {p.lanes_m}×{32 // p.lanes_m} lanes covers {warp_m}×{warp_n}, "
+                              f"which must divide the block tile {p.bm}×{p.bn}; choose another lanes_m")
         if p.buffers not in (1, 2, 3):
             raise ConfigError(f"buffers: 1, 2 or 3 shared-memory stages, got {p.buffers}")
         if p.a_layout not in A_LAYOUTS:
@@ -123,7 +138,8 @@ class Matmul:
             raise ConfigError(f"shared-memory: {p.buffers} stages need {need} bytes, over the {MAX_SHARED_BYTES} a "
                               "block can have; use fewer buffers or a smaller tile")
         copies = self._copies_per_thread(p)
-        need = p.tm * p.tn + p.tm + p.tn + _REGISTERS_PER_COPY * copies + 20
+        tails = shape.m % p.bm or shape.n % p.bn or shape.k % p.bk
+        need = p.tm * p.tn + p.tm + p.tn + (_REGISTERS_PER_COPY * copies + 20 if tails else _REGISTERS_WITHOUT_TAILS)
         if need > (cap := register_cap(threads)):
             raise ConfigError(f"registers: {p.tm}×{p.tn} accumulators and {copies} copies per thread per tile need "
                               f"about {need} registers, over the {cap} a block of {threads} threads leaves each; "
@@ -154,16 +170,54 @@ class Matmul:
     def kernel_name(self, shape: Shape, p: Params) -> str:
         layout = "at" if p.a_layout == "transposed" else "ad"
         return (f"matmul_m{shape.m}_n{shape.n}_k{shape.k}_b{p.bm}x{p.bn}x{p.bk}_t{p.tm}x{p.tn}_s{p.buffers}"
-                f"_{layout}{p.a_width}_b{p.b_width}_p{p.a_pad}x{p.b_pad}" + (f"_bug_{p.plant}" if p.plant else ""))
+                f"_{layout}{p.a_width}_b{p.b_width}_p{p.a_pad}x{p.b_pad}_l{p.lanes_m}{'s' if p.split else ''}"
+                + (f"_bug_{p.plant}" if p.plant else ""))
+
+    def _copy_plan(self, shape: Shape, p: Params, tensor: str) -> tuple[int, list[dict[str, int]]]:
+        """(copies per tile row, each of a thread's copies): the i-th copy of thread t moves element
+        t + i·threads of the tile, counted in copies along rows. Tile sizes and thread counts are powers of
+        two, so one divides the other and that element sits at a constant (row, column) from the thread's
+        first one: every copy is the thread's base address plus an offset fixed here."""
+        a_stride, _, _ = self._strides(p)
+        if tensor == "A":
+            vec = p.a_width // 4 if p.a_layout == "direct" else 1
+            rows_cols = (p.bm, p.bk)
+        else:
+            vec = p.b_width // 4
+            rows_cols = (p.bk, p.bn)
+        chunks = rows_cols[1] // vec
+        plan = []
+        for i in range(rows_cols[0] * chunks // p.threads):
+            first = i * p.threads
+            row, col = first // chunks, first % chunks * vec
+            if tensor == "A":
+                smem = col * a_stride + row if p.a_layout == "transposed" else row * a_stride + col
+                gmem = row * shape.k + col
+            else:
+                smem = row * (p.bn + p.b_pad) + col
+                gmem = row * shape.n + col
+            plan.append({"row": row, "col": col, "smem_bytes": 4 * smem, "gmem_bytes": 4 * gmem})
+        return chunks, plan
 
     def context(self, shape: Shape, p: Params) -> dict[str, Any]:
         a_stride, a_stage, b_stage = self._strides(p)
+        lanes_n = 32 // p.lanes_m
+        warp_m, warp_n = p.lanes_m * p.tm, lanes_n * p.tn
+        a_chunks, a_copies = self._copy_plan(shape, p, "A")
+        b_chunks, b_copies = self._copy_plan(shape, p, "B")
+        tails = (shape.m % p.bm, shape.n % p.bn, shape.k % p.bk)
+        # A thread's fragments: 4 rows (columns) each, contiguous or spread evenly over the warp tile.
+        a_frags = [i * (warp_m // (p.tm // 4) if p.split else 4) for i in range(p.tm // 4)]
+        b_frags = [j * (warp_n // (p.tn // 4) if p.split else 4) for j in range(p.tn // 4)]
         return dict(
             M=shape.m, N=shape.n, K=shape.k, BM=p.bm, BN=p.bn, BK=p.bk, TM=p.tm, TN=p.tn, STAGES=p.buffers,
-            THREADS=p.threads, A_TRANSPOSED=p.a_layout == "transposed", A_VEC=p.a_width // 4, B_VEC=p.b_width // 4,
-            A_STRIDE=a_stride, B_STRIDE=p.bn + p.b_pad, A_STAGE=a_stage, B_STAGE=b_stage,
-            TILES=-(-shape.k // p.bk), M_TAIL=shape.m % p.bm != 0, N_TAIL=shape.n % p.bn != 0,
-            K_TAIL=shape.k % p.bk != 0, PLANT=p.plant, C_VEC=4 if shape.n % 4 == 0 else 1,
+            THREADS=p.threads, A_TRANSPOSED=p.a_layout == "transposed", A_VEC=p.a_width // 4 if p.a_layout == "direct" else 1,
+            B_VEC=p.b_width // 4, A_STRIDE=a_stride, B_STRIDE=p.bn + p.b_pad, A_STAGE=a_stage, B_STAGE=b_stage,
+            TILES=-(-shape.k // p.bk), M_TAIL=tails[0] != 0, N_TAIL=tails[1] != 0, K_TAIL=tails[2] != 0,
+            FAST_COPY=not any(tails), A_TILE_STEP=p.bk, B_TILE_STEP=p.bk * shape.n,
+            A_CHUNKS=a_chunks, B_CHUNKS=b_chunks, A_COPIES=a_copies, B_COPIES=b_copies,
+            LANES_N=lanes_n, WARPS_N=p.bn // warp_n, WM=warp_m, WN=warp_n, SPLIT=p.split,
+            A_FRAGS=a_frags, B_FRAGS=b_frags, PLANT=p.plant, C_VEC=4 if shape.n % 4 == 0 else 1,
         )
 
     def source(self, shape: Shape, p: Params) -> Source:
