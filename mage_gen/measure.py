@@ -8,6 +8,7 @@ Cold: the L2 flushed by writing a buffer several times its size before each time
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cache
@@ -32,6 +33,7 @@ class GateResult:
     reason: str  # why it failed; empty when it passed
     worst_error: float  # largest relative error over the runs (inf where a run failed outright)
     errors: dict[str, float] = field(default_factory=dict)  # gate run ('m=37') -> relative error
+    fault: bool = False  # a CUDA error, not a wrong answer: the context may be unusable after it
 
     def to_dict(self) -> dict:
         return {"passed": self.passed, "reason": self.reason, "worst_error": self.worst_error,
@@ -134,10 +136,15 @@ def gate(op: Op, shape: Any, params: Any, kernel: gpu.Kernel, run: dict[str, int
             stream.synchronize()
             err, reason = check_outputs(op, shape, bound)
         except GpuError as exc:
-            return GateResult(False, f"{gate_run}: {exc}", float("inf"), errors)
-        finally:
+            if bound is not None:
+                with contextlib.suppress(GpuError):  # a lost context refuses even this; the fault is the news
+                    bound.free()
+            return GateResult(False, f"{gate_run}: {exc}", float("inf"), errors, fault=True)
+        except BaseException:
             if bound is not None:
                 bound.free()
+            raise
+        bound.free()
         errors[key] = err
         if reason:
             return GateResult(False, f"{gate_run}: {reason}", err, errors)
@@ -248,14 +255,31 @@ class Bench:
         return KernelSubject(name or variant.source.kernel_name, bound, self.stream)
 
     def evaluate(self, variant: Any, hot_replays: int = 10, cold_count: int = 10) -> Evaluation:
+        """Gate, then time; a failure is a failed Evaluation, except a CUDA error that left the context
+        unusable: that raises GpuError, so that whoever owns the process (the tuner's worker) starts a fresh
+        one rather than failing every later trial in a dead context."""
+        kernel = None
         try:
             kernel = self.load(variant)
-        except GpuError as exc:
-            return Evaluation(GateResult(False, f"load: {exc}", float("inf")))
+            evaluation = self._gate_and_time(variant, kernel, hot_replays, cold_count)
+        except GpuError as exc:  # the load refused (too much shared memory for this GPU, a bad image)
+            evaluation = Evaluation(GateResult(False, f"load: {exc}", float("inf"), fault=True))
+        except BaseException:
+            if kernel is not None:
+                with contextlib.suppress(GpuError):
+                    kernel.unload()
+            raise
+        if evaluation.gate.fault:
+            gpu.synchronize()  # raises where the context is lost (an illegal address); not after a refused launch
+        if kernel is not None:
+            kernel.unload()
+        return evaluation
+
+    def _gate_and_time(self, variant: Any, kernel: gpu.Kernel, hot_replays: int, cold_count: int) -> Evaluation:
+        result = gate(self.op, self.shape, variant.params, kernel, self.run, self.rng, self.stream)
+        if not result.passed:
+            return Evaluation(result)
         try:
-            result = gate(self.op, self.shape, variant.params, kernel, self.run, self.rng, self.stream)
-            if not result.passed:
-                return Evaluation(result)
             subject = self.subject(variant, kernel)
             try:
                 return Evaluation(result, Timing.from_samples("hot", subject.hot(hot_replays)),
@@ -263,6 +287,4 @@ class Bench:
             finally:
                 subject.close()
         except GpuError as exc:
-            return Evaluation(GateResult(False, f"timing: {exc}", float("inf")))
-        finally:
-            kernel.unload()
+            return Evaluation(GateResult(False, f"timing: {exc}", float("inf"), fault=True))

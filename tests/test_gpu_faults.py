@@ -1,0 +1,104 @@
+"""On the GPU: planted faults run through the real worker process. A trial that writes to an illegal
+address, never finishes or cannot launch fails with its reason, the worker is replaced where the CUDA
+context is lost, and the clean variant passes again after it: the study goes on. Skipped without a GPU."""
+
+import functools
+from dataclasses import dataclass
+
+import pytest
+
+from mage_gen.errors import CompileError, NoGpuError
+from mage_gen.worker import IsolatedBackend, gpu_backend
+
+import planted
+
+pytestmark = pytest.mark.gpu
+RUN = {"m": 4096}
+MIN_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True)
+class Expected:
+    says: str  # what the failed trial's reason must name
+    loses_context: bool  # the CUDA context is unusable after it: the worker must start a new child
+
+
+EXPECTED = {
+    "out_of_bounds_write": Expected("CUDA_ERROR_ILLEGAL_ADDRESS", loses_context=True),
+    "endless_loop": Expected("no answer in", loses_context=True),
+    "too_many_registers": Expected("CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES", loses_context=False),
+}
+LAUNCHED = sorted(name for name, fault in planted.FAULTS.items() if not fault.refused_at_compile)
+REFUSED_AT_COMPILE = sorted(name for name, fault in planted.FAULTS.items() if fault.refused_at_compile)
+
+
+@pytest.fixture(scope="module")
+def worker():
+    """One worker for the module (a child start costs seconds); every test checks it from a clean trial."""
+    try:
+        backend = IsolatedBackend(functools.partial(gpu_backend, "layernorm", planted.SHAPE, RUN, 0),
+                                  min_timeout_s=MIN_TIMEOUT_S)
+    except NoGpuError as exc:
+        pytest.skip(str(exc))
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(scope="module")
+def clean(worker):
+    return planted.variant(worker.arch)
+
+
+@pytest.fixture
+def calibrated(worker, clean):
+    """The worker after a clean trial passed in it: the trials so far set its timeout."""
+    result = worker.evaluate(clean)
+    assert result.gate.passed, result.gate.reason
+    return worker
+
+
+@pytest.mark.parametrize("fault", LAUNCHED)
+def test_a_faulty_trial_fails_with_its_cause_and_the_study_goes_on(calibrated, clean, fault):
+    expected = EXPECTED[fault]  # a new fault needs its expected outcome here
+    variant = planted.fault_variant(calibrated.arch, fault)
+    restarts = calibrated.restarts
+    result = calibrated.evaluate(variant)
+    reason = result.gate.reason
+    assert not result.gate.passed and expected.says in reason, reason
+    assert result.hot is None and result.cold is None  # a failed trial is never timed
+    if expected.loses_context:
+        assert calibrated.restarts > restarts and "restarted" in reason, reason
+    else:
+        assert calibrated.restarts == restarts, reason  # the context is fine: the child is kept
+    after = calibrated.evaluate(clean)
+    assert after.gate.passed, f"after {fault}: {after.gate.reason}"
+    assert after.hot is not None and after.hot.median_us > 0
+
+
+@pytest.mark.parametrize("fault", REFUSED_AT_COMPILE)
+def test_a_fault_refused_at_compile_never_reaches_the_worker(calibrated, clean, fault):
+    # A layer norm launches with no dynamic shared memory, and ptxas caps static shared memory at 48 KB:
+    # asking for more than a block may have ends at compile time, a failed trial the tuner records.
+    restarts = calibrated.restarts
+    with pytest.raises(CompileError, match="too much shared data"):
+        planted.fault_variant(calibrated.arch, fault)
+    assert calibrated.evaluate(clean).gate.passed and calibrated.restarts == restarts
+
+
+def test_the_register_hog_would_need_more_registers_than_the_block_has(worker):
+    variant = planted.fault_variant(worker.arch, "too_many_registers")
+    threads = planted.OP.geometry(planted.SHAPE, variant.params, RUN).threads
+    assert variant.census.registers * threads > planted.REGISTER_FILE, variant.census.registers
+
+
+def test_a_short_study_through_the_worker_finds_a_winner(worker, tmp_path):
+    from mage_gen.space import Space
+    from mage_gen.tune import tune
+
+    op = planted.OP
+    space = Space(op="layernorm", preset="corner", axes=(
+        ("template", ("row",)), ("threads", (64, 128)), ("vector", (2, 4)), ("rows_per_block", (1,)),
+        ("rsqrt", ("approx",)), ("hint", ("nc",)), ("stats", ("two_pass",)), ("grid_cap", (0,))))
+    result = tune(op, planted.SHAPE, RUN, space, worker, storage=f"sqlite:///{tmp_path / 'study.db'}")
+    assert result.measured == 4 and not result.failed, result.failed
+    assert result.winner.hot.median_us > 0
