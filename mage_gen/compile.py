@@ -53,31 +53,33 @@ def check_arch(arch: str) -> str:
     return arch
 
 
-def options(arch: str) -> list[str]:
-    # -Xptxas=-v puts registers, shared memory, stack and spills into the log for the census.
-    return [f"-arch={arch}", "--std=c++17", "-Xptxas=-v"]
+def options(arch: str, fmad: bool = True) -> list[str]:
+    # -Xptxas=-v puts registers, shared memory, stack and spills into the log for the census. fmad=False
+    # writes every float add and multiply with its rounding (add.rn, mul.rn) so that ptxas may not fuse them:
+    # then the PTX alone says what the GPU computes, bit for bit.
+    return [f"-arch={arch}", "--std=c++17", "-Xptxas=-v"] + ([] if fmad else ["--fmad=false"])
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("MAGE_GEN_CACHE") or platformdirs.user_cache_dir("mage-gen")) / "nvrtc"
 
 
-def cache_key(source: Source, arch: str) -> str:
+def cache_key(source: Source, arch: str, fmad: bool = True) -> str:
     digest = hashlib.sha256()
-    for part in (_CACHE_FORMAT, nvrtc_version(), " ".join(options(arch)), source.kernel_name, source.text):
+    for part in (_CACHE_FORMAT, nvrtc_version(), " ".join(options(arch, fmad)), source.kernel_name, source.text):
         digest.update(part.encode() + b"\0")
     return digest.hexdigest()
 
 
-def compile_source(source: Source, arch: str = DEFAULT_ARCH) -> Compiled:
+def compile_source(source: Source, arch: str = DEFAULT_ARCH, fmad: bool = True) -> Compiled:
     check_arch(arch)
-    key = cache_key(source, arch)
+    key = cache_key(source, arch, fmad)
     entry = cache_dir() / key[:2] / key
     if (entry / "kernel.cubin").is_file():
         return Compiled(kernel_name=source.kernel_name, arch=arch, ptx=(entry / "kernel.ptx").read_text(),
                         cubin=(entry / "kernel.cubin").read_bytes(), log=(entry / "ptxas.log").read_text(),
                         key=key, from_cache=True)
-    ptx, cubin, log = _nvrtc(source, arch)
+    ptx, cubin, log = _nvrtc(source, arch, fmad)
     _store(entry, ptx, cubin, log)
     return Compiled(kernel_name=source.kernel_name, arch=arch, ptx=ptx, cubin=cubin, log=log, key=key)
 
@@ -103,11 +105,11 @@ def _check(err: nvrtc.nvrtcResult, call: str) -> None:
         raise CompileError(f"{call} failed: {err.name}")
 
 
-def _nvrtc(source: Source, arch: str) -> tuple[str, bytes, str]:
+def _nvrtc(source: Source, arch: str, fmad: bool) -> tuple[str, bytes, str]:
     err, prog = nvrtc.nvrtcCreateProgram(source.text.encode(), f"{source.kernel_name}.cu".encode(), 0, [], [])
     _check(err, "nvrtcCreateProgram")
     try:
-        opts = [o.encode() for o in options(arch)]
+        opts = [o.encode() for o in options(arch, fmad)]
         (compile_err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         err, size = nvrtc.nvrtcGetProgramLogSize(prog)
         _check(err, "nvrtcGetProgramLogSize")
