@@ -123,3 +123,10 @@ def test_sizes_out_of_range_are_rejected(dims):
     m, n, k = dims
     with pytest.raises(ConfigError, match=r"^[mnk]-range:"):
         OP.shape(m=m, n=n, k=k)
+
+
+def test_a_tile_row_that_does_not_divide_the_block_is_rejected():
+    # 12 copies per row of A and 32 threads: thread t's second copy is not at a fixed offset from its first
+    # (it computed 5760 NaN on the interpreter before this rule).
+    with pytest.raises(ConfigError, match=r"^tile-copy: a row of the A tile is 12 copies"):
+        OP.validate(OP.shape(m=96, n=96, k=48), Params(bm=32, bn=32, bk=12, tm=4, tn=8, lanes_m=8))

@@ -134,11 +134,17 @@ class Matmul:
         for tensor, count in self._copies(p).items():
             if count % threads:
                 raise ConfigError(f"tile-copy: the {tensor} tile is {count} copies, not a multiple of {threads} threads")
+        for tensor, (_, chunks, _) in self._copy_grid(p).items():
+            # Each thread's copies sit at fixed (row, column) offsets from its first only when a tile row
+            # and the block divide one another (powers of two always do).
+            if chunks % threads and threads % chunks:
+                raise ConfigError(f"tile-copy: a row of the {tensor} tile is {chunks} copies; it must divide "
+                                  f"{threads} threads or be a multiple of them; use power-of-two tile sizes")
         if (need := self.shared_bytes(p)) > MAX_SHARED_BYTES:
             raise ConfigError(f"shared-memory: {p.buffers} stages need {need} bytes, over the {MAX_SHARED_BYTES} a "
                               "block can have; use fewer buffers or a smaller tile")
         copies = self._copies_per_thread(p)
-        tails = shape.m % p.bm or shape.n % p.bn or shape.k % p.bk
+        tails = any(self._tails(shape, p))
         need = p.tm * p.tn + p.tm + p.tn + (_REGISTERS_PER_COPY * copies + 20 if tails else _REGISTERS_WITHOUT_TAILS)
         if need > (cap := register_cap(threads)):
             raise ConfigError(f"registers: {p.tm}×{p.tn} accumulators and {copies} copies per thread per tile need "
@@ -147,10 +153,20 @@ class Matmul:
         if p.plant not in PLANTED_BUGS:
             raise ConfigError(f"plant: unknown planted bug {p.plant!r}")
 
+    def _copy_grid(self, p: Params) -> dict[str, tuple[int, int, int]]:
+        """Per operand, its tile as cp.async sees it: (rows, copies per row, floats per copy)."""
+        a_vec = p.a_width // 4 if p.a_layout == "direct" else 1
+        b_vec = p.b_width // 4
+        return {"A": (p.bm, p.bk // a_vec, a_vec), "B": (p.bk, p.bn // b_vec, b_vec)}
+
     def _copies(self, p: Params) -> dict[str, int]:
         """cp.async instructions a block issues per K tile, per operand."""
-        a_vec = p.a_width // 4 if p.a_layout == "direct" else 1
-        return {"A": p.bm * p.bk // a_vec, "B": p.bk * p.bn // (p.b_width // 4)}
+        return {tensor: rows * chunks for tensor, (rows, chunks, _) in self._copy_grid(p).items()}
+
+    @staticmethod
+    def _tails(shape: Shape, p: Params) -> tuple[bool, bool, bool]:
+        """Whether M, N and K leave a partial tile."""
+        return shape.m % p.bm != 0, shape.n % p.bn != 0, shape.k % p.bk != 0
 
     def _copies_per_thread(self, p: Params) -> int:
         return sum(self._copies(p).values()) // p.threads
@@ -173,21 +189,15 @@ class Matmul:
                 f"_{layout}{p.a_width}_b{p.b_width}_p{p.a_pad}x{p.b_pad}_l{p.lanes_m}{'s' if p.split else ''}"
                 + (f"_bug_{p.plant}" if p.plant else ""))
 
-    def _copy_plan(self, shape: Shape, p: Params, tensor: str) -> tuple[int, list[dict[str, int]]]:
-        """(copies per tile row, each of a thread's copies): the i-th copy of thread t moves element
-        t + i·threads of the tile, counted in copies along rows. Tile sizes and thread counts are powers of
-        two, so one divides the other and that element sits at a constant (row, column) from the thread's
-        first one: every copy is the thread's base address plus an offset fixed here."""
+    def _copy_plan(self, shape: Shape, p: Params, tensor: str) -> list[dict[str, int]]:
+        """Each of a thread's copies of one operand's tile: the i-th copy of thread t moves element
+        t + i·threads of the tile, counted in copies along rows. validate() makes a tile row and the block
+        divide one another, so that element sits at a constant (row, column) from the thread's first one:
+        every copy is the thread's base address plus an offset fixed here."""
         a_stride, _, _ = self._strides(p)
-        if tensor == "A":
-            vec = p.a_width // 4 if p.a_layout == "direct" else 1
-            rows_cols = (p.bm, p.bk)
-        else:
-            vec = p.b_width // 4
-            rows_cols = (p.bk, p.bn)
-        chunks = rows_cols[1] // vec
+        rows, chunks, vec = self._copy_grid(p)[tensor]
         plan = []
-        for i in range(rows_cols[0] * chunks // p.threads):
+        for i in range(rows * chunks // p.threads):
             first = i * p.threads
             row, col = first // chunks, first % chunks * vec
             if tensor == "A":
@@ -197,25 +207,25 @@ class Matmul:
                 smem = row * (p.bn + p.b_pad) + col
                 gmem = row * shape.n + col
             plan.append({"row": row, "col": col, "smem_bytes": 4 * smem, "gmem_bytes": 4 * gmem})
-        return chunks, plan
+        return plan
 
     def context(self, shape: Shape, p: Params) -> dict[str, Any]:
         a_stride, a_stage, b_stage = self._strides(p)
         lanes_n = 32 // p.lanes_m
         warp_m, warp_n = p.lanes_m * p.tm, lanes_n * p.tn
-        a_chunks, a_copies = self._copy_plan(shape, p, "A")
-        b_chunks, b_copies = self._copy_plan(shape, p, "B")
-        tails = (shape.m % p.bm, shape.n % p.bn, shape.k % p.bk)
+        tails = self._tails(shape, p)
+        grid = self._copy_grid(p)
         # A thread's fragments: 4 rows (columns) each, contiguous or spread evenly over the warp tile.
         a_frags = [i * (warp_m // (p.tm // 4) if p.split else 4) for i in range(p.tm // 4)]
         b_frags = [j * (warp_n // (p.tn // 4) if p.split else 4) for j in range(p.tn // 4)]
         return dict(
             M=shape.m, N=shape.n, K=shape.k, BM=p.bm, BN=p.bn, BK=p.bk, TM=p.tm, TN=p.tn, STAGES=p.buffers,
-            THREADS=p.threads, A_TRANSPOSED=p.a_layout == "transposed", A_VEC=p.a_width // 4 if p.a_layout == "direct" else 1,
-            B_VEC=p.b_width // 4, A_STRIDE=a_stride, B_STRIDE=p.bn + p.b_pad, A_STAGE=a_stage, B_STAGE=b_stage,
-            TILES=-(-shape.k // p.bk), M_TAIL=tails[0] != 0, N_TAIL=tails[1] != 0, K_TAIL=tails[2] != 0,
+            THREADS=p.threads, A_TRANSPOSED=p.a_layout == "transposed", A_VEC=grid["A"][2], B_VEC=grid["B"][2],
+            A_STRIDE=a_stride, B_STRIDE=p.bn + p.b_pad, A_STAGE=a_stage, B_STAGE=b_stage,
+            TILES=-(-shape.k // p.bk), M_TAIL=tails[0], N_TAIL=tails[1], K_TAIL=tails[2],
             FAST_COPY=not any(tails), A_TILE_STEP=p.bk, B_TILE_STEP=p.bk * shape.n,
-            A_CHUNKS=a_chunks, B_CHUNKS=b_chunks, A_COPIES=a_copies, B_COPIES=b_copies,
+            A_CHUNKS=grid["A"][1], B_CHUNKS=grid["B"][1],
+            A_COPIES=self._copy_plan(shape, p, "A"), B_COPIES=self._copy_plan(shape, p, "B"),
             LANES_N=lanes_n, WARPS_N=p.bn // warp_n, WM=warp_m, WN=warp_n, SPLIT=p.split,
             A_FRAGS=a_frags, B_FRAGS=b_frags, PLANT=p.plant, C_VEC=4 if shape.n % 4 == 0 else 1,
         )
