@@ -85,12 +85,6 @@ def test_a_fault_refused_at_compile_never_reaches_the_worker(calibrated, clean, 
     assert calibrated.evaluate(clean).gate.passed and calibrated.restarts == restarts
 
 
-def test_the_register_hog_would_need_more_registers_than_the_block_has(worker):
-    variant = planted.fault_variant(worker.arch, "too_many_registers")
-    threads = planted.OP.geometry(planted.SHAPE, variant.params, RUN).threads
-    assert variant.census.registers * threads > planted.REGISTER_FILE, variant.census.registers
-
-
 def test_a_short_study_through_the_worker_finds_a_winner(worker, tmp_path):
     from mage_gen.space import Space
     from mage_gen.tune import tune
