@@ -33,6 +33,7 @@ from mage_gen import gpu, interp
 from mage_gen.census import take_census
 from mage_gen.compile import compile_source
 from mage_gen.errors import GpuError, MageError
+from mage_gen.interp.gate import launch_with
 from mage_gen.measure import Bound, relative_error
 from mage_gen.ops import get_op
 from mage_gen.space import expand, load_space
@@ -92,7 +93,7 @@ def build_pair(pair: Pair, arch: str, fmad: bool = True) -> Variant | str:
 
 
 def is_approx(variant: Variant) -> bool:
-    return variant.census.rsqrt_approx > 0 or bool(APPROX_OPCODE.search(variant.compiled.ptx))
+    return bool(APPROX_OPCODE.search(variant.compiled.ptx))  # rsqrt.approx among them
 
 
 def needs_twin(variant: Variant | str) -> bool:
@@ -102,18 +103,10 @@ def needs_twin(variant: Variant | str) -> bool:
 
 
 def interp_half(pair: Pair, variant: Variant) -> dict:
-    """interp.gate.run_once on the given inputs: {'outputs', 'seconds'} or {'error', 'seconds'}."""
-    op = get_op(pair.op)
-    launch = op.geometry(pair.shape, pair.params, pair.run)
-    outputs = {n: np.full(s, np.nan, dtype=np.float32) for n, s in op.output_shapes(pair.shape, pair.run).items()}
-    scalars = op.scalars(pair.shape, pair.run)
-    kinds = {"out": lambda n: outputs[n], "in": lambda n: np.ascontiguousarray(pair.inputs[n], dtype=np.float32),
-             "i32": lambda n: int(scalars[n]), "f32": lambda n: float(np.float32(scalars[n]))}
-    args = [kinds[arg.kind](arg.name) for arg in op.args]
+    """The interpreter on the pair's inputs: {'outputs', 'seconds'} or {'error', 'seconds'}."""
     start = time.perf_counter()
     try:
-        interp.run(variant.compiled.ptx, variant.source.kernel_name, launch.grid, launch.block,
-                   launch.dynamic_shared_bytes, args)
+        outputs = launch_with(get_op(pair.op), pair.shape, variant, pair.run, pair.inputs)
     except interp.InterpError as exc:
         return {"error": f"interpreter: {type(exc).__name__}: {exc}", "seconds": time.perf_counter() - start}
     return {"outputs": outputs, "seconds": time.perf_counter() - start}

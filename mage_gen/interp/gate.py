@@ -12,10 +12,11 @@ from mage_gen.interp.launch import run
 from mage_gen.measure import GateResult, relative_error
 
 
-def run_once(op, shape: Any, variant: Any, run_sizes: dict[str, int], rng: np.random.Generator) -> dict:
-    """One launch: (inputs, outputs, reference). Raises InterpError for what the interpreter catches."""
+def launch_with(op, shape: Any, variant: Any, run_sizes: dict[str, int], inputs: dict[str, np.ndarray]
+                ) -> dict[str, np.ndarray]:
+    """One launch on the given inputs into NaN-poisoned outputs, returned. Raises InterpError for what the
+    interpreter catches."""
     launch = op.geometry(shape, variant.params, run_sizes)
-    inputs = op.make_inputs(shape, run_sizes, rng)
     outputs = {name: np.full(s, np.nan, dtype=np.float32) for name, s in op.output_shapes(shape, run_sizes).items()}
     scalars = op.scalars(shape, run_sizes)
     args = []
@@ -30,7 +31,16 @@ def run_once(op, shape: Any, variant: Any, run_sizes: dict[str, int], rng: np.ra
             args.append(float(np.float32(scalars[arg.name])))
     run(variant.compiled.ptx, variant.source.kernel_name, launch.grid, launch.block, launch.dynamic_shared_bytes,
         args)
-    return {"inputs": inputs, "outputs": outputs, "reference": op.reference(shape, inputs, scalars)}
+    return outputs
+
+
+def run_once(op, shape: Any, variant: Any, run_sizes: dict[str, int], rng: np.random.Generator) -> dict:
+    """One launch on fresh inputs: (inputs, outputs, reference). Raises InterpError for what the interpreter
+    catches."""
+    inputs = op.make_inputs(shape, run_sizes, rng)
+    outputs = launch_with(op, shape, variant, run_sizes, inputs)
+    return {"inputs": inputs, "outputs": outputs,
+            "reference": op.reference(shape, inputs, op.scalars(shape, run_sizes))}
 
 
 def worst_error(op, shape: Any, variant: Any, run_sizes: dict[str, int], rng: np.random.Generator,
