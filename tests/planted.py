@@ -45,7 +45,12 @@ def variant(arch: str, bug: str | None = None) -> Variant:
     clean = build(OP, SHAPE, PARAMS, arch)
     if bug is None:
         return clean
-    source = dataclasses.replace(clean.source, text=BUGS[bug](clean.source.text))
+    return _edited(clean, BUGS[bug], arch)
+
+
+def _edited(clean: Variant, edit: Callable[[str], str], arch: str) -> Variant:
+    """The clean variant with its source edited, compiled again and counted."""
+    source = dataclasses.replace(clean.source, text=edit(clean.source.text))
     compiled = compile_source(source, arch)
     return dataclasses.replace(clean, source=source, compiled=compiled, census=take_census(compiled))
 
@@ -129,7 +134,4 @@ def _without_launch_bounds(text: str) -> str:
 def fault_variant(arch: str, fault: str) -> Variant:
     """The clean variant of FAULTS[fault] with the fault planted; CompileError where ptxas refuses it."""
     planted = FAULTS[fault]
-    clean = build(OP, SHAPE, planted.params, arch)
-    source = dataclasses.replace(clean.source, text=planted.edit(clean.source.text))
-    compiled = compile_source(source, arch)
-    return dataclasses.replace(clean, source=source, compiled=compiled, census=take_census(compiled))
+    return _edited(build(OP, SHAPE, planted.params, arch), planted.edit, arch)
