@@ -17,6 +17,7 @@ from mage_gen.interp.fp import fma_f32
 from mage_gen.measure import relative_error
 from mage_gen.ops import get_op
 from mage_gen.ops.layernorm import Params as LnParams
+from mage_gen.ops.matmul import Params as MmParams
 from mage_gen.space import expand, load_space
 from mage_gen.variants import build
 
@@ -90,6 +91,21 @@ def test_a_weakened_wait_in_a_matmul_is_reported_as_a_stale_read():
     weak = variant.compiled.ptx.replace("cp.async.wait_group 1;", "cp.async.wait_group 2;")
     broken = dataclasses.replace(variant, compiled=dataclasses.replace(variant.compiled, ptx=weak))
     with pytest.raises(interp.StaleReadError, match=r"reads shared address 0x[0-9a-f]+ while a cp\.async of thread"):
+        interp.run_once(MM, shape, broken, {}, np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("buffers", [2, 3])
+def test_one_barrier_per_k_tile_passes_and_one_wait_less_is_a_stale_read(buffers):
+    shape = MM.shape(m=64, n=64, k=64)
+    params = MmParams(bm=32, bn=64, bk=8, tm=4, tn=4, buffers=buffers, sync="one")
+    variant = build(MM, shape, params, "sm_90")
+    assert interp.gate(MM, shape, variant, {}, np.random.default_rng(0)).passed
+    wait = f"cp.async.wait_group {buffers - 2};"
+    assert wait in variant.compiled.ptx and variant.compiled.ptx.count("bar.sync 0;") == 2
+    # The main loop's wait comes first in the PTX (with 2 buffers the drain's is also wait_group 0).
+    weak = variant.compiled.ptx.replace(wait, f"cp.async.wait_group {buffers - 1};", 1)
+    broken = dataclasses.replace(variant, compiled=dataclasses.replace(variant.compiled, ptx=weak))
+    with pytest.raises(interp.StaleReadError, match=r"while a cp\.async of thread"):
         interp.run_once(MM, shape, broken, {}, np.random.default_rng(0))
 
 

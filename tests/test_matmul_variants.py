@@ -15,26 +15,34 @@ from mage_gen.variants import build, build_all
 OP = get_op("matmul")
 SEED = Params()  # 64×64×32 block tile, 4×4 per thread, A transposed (4-byte copies), B 16-byte, 2 buffers
 RULES = {"tile", "thread-tile", "tile-divides", "threads", "buffers", "a-layout", "copy-width", "padding",
-         "divisibility", "tile-copy", "shared-memory", "registers", "plant", "lanes", "split", "warp-tile"}
+         "divisibility", "tile-copy", "shared-memory", "registers", "plant", "lanes", "split", "warp-tile", "sync"}
 
 params_strategy = st.builds(
     Params,
-    bm=st.sampled_from([16, 32, 64, 128]), bn=st.sampled_from([32, 64, 128]), bk=st.sampled_from([8, 16, 32]),
-    tm=st.sampled_from([4, 8]), tn=st.sampled_from([4, 8]), buffers=st.sampled_from([1, 2, 3]),
+    bm=st.sampled_from([16, 32, 64, 128, 256]), bn=st.sampled_from([32, 64, 128, 256]), bk=st.sampled_from([8, 16, 32]),
+    tm=st.sampled_from([4, 8, 16]), tn=st.sampled_from([4, 8, 16]), buffers=st.sampled_from([1, 2, 3, 4]),
     a_layout=st.sampled_from(["transposed", "direct"]), a_width=st.sampled_from([4, 8, 16]),
     b_width=st.sampled_from([4, 8, 16]), a_pad=st.sampled_from([0, 4]), b_pad=st.sampled_from([0, 4]),
-    lanes_m=st.sampled_from([1, 2, 4, 8]), split=st.booleans(),
+    lanes_m=st.sampled_from([1, 2, 4, 8]), split=st.booleans(), sync=st.sampled_from(["two", "one"]),
 )
 sizes = st.one_of(st.integers(1, 300), st.sampled_from([64, 128, 256, 1000, 1024]))
 
 
+def has_main_loop(shape, p: Params) -> bool:
+    return -(-shape.k // p.bk) - (p.buffers - 1) > 0
+
+
 def expected_waits(shape, p: Params) -> dict[int, int]:
-    tiles = -(-shape.k // p.bk)
-    main_loop = tiles - (p.buffers - 1) > 0
     waits = {0: 1}  # the drain
-    if main_loop:
-        waits[p.buffers - 1] = waits.get(p.buffers - 1, 0) + 1
+    if has_main_loop(shape, p):
+        pending = p.buffers - (2 if p.sync == "one" else 1)
+        waits[pending] = waits.get(pending, 0) + 1
     return waits
+
+
+def expected_barriers(shape, p: Params) -> int:
+    """The drain's one, and one or two per K step of the main loop."""
+    return 1 + ((1 if p.sync == "one" else 2) if has_main_loop(shape, p) else 0)
 
 
 def check_variant(m: int, n: int, k: int, p: Params) -> None:
@@ -53,6 +61,7 @@ def check_variant(m: int, n: int, k: int, p: Params) -> None:
     a_copy = 4 if p.a_layout == "transposed" else p.a_width
     assert set(c.cp_async) == {a_copy, p.b_width}
     assert c.wait_groups == expected_waits(shape, p)
+    assert c.bar_sync == expected_barriers(shape, p)
     width = "v4" if n % 4 == 0 else "scalar"
     assert c.stores_of("C", width) == c.stores_of("C") > 0
     assert not c.global_loads, "operands reach shared memory only through cp.async"
@@ -98,9 +107,12 @@ def test_planted_bugs_stay_out_of_search_spaces_and_records():
 
 @pytest.mark.parametrize("dims, params, rule", [
     ((1024, 1024, 1024), Params(tm=3), "thread-tile"),
+    ((1024, 1024, 1024), Params(tm=32), "thread-tile"),
+    ((1024, 1024, 1024), Params(buffers=1, sync="one"), "sync"),
+    ((1024, 1024, 1024), Params(sync="three"), "sync"),
     ((1024, 1024, 1024), Params(bm=60, tm=8), "tile-divides"),
     ((1024, 1024, 1024), Params(bm=32, bn=32, tm=8, tn=8), "threads"),
-    ((1024, 1024, 1024), Params(buffers=4), "buffers"),
+    ((1024, 1024, 1024), Params(buffers=5), "buffers"),
     ((1024, 1024, 1024), Params(a_width=16), "copy-width"),
     ((1024, 1024, 1024), Params(a_pad=2), "padding"),
     ((1024, 1022, 1024), Params(), "divisibility"),

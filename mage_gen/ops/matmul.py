@@ -25,6 +25,8 @@ MAX_THREADS = 256
 A_LAYOUTS = ("transposed", "direct")
 LANES_M = (1, 2, 4, 8)
 COPY_WIDTHS = (4, 8, 16)
+THREAD_TILE = (4, 8, 16)  # shared memory is read in float4s: whole fragments of 4
+SYNCS = ("two", "one")
 PLANTED_BUGS = ("", "offset_units", "last_tile_parity")  # test-only: the gate must reject both
 # Fitted to ptxas 13.0 over random configs at 1000³ and 1024³ (none admitted spilled). With tails, ptxas keeps
 # each copy's address and bounds in registers across the K loop (6 per copy covered 360 configs); without, every
@@ -55,6 +57,9 @@ class Params:
     b_pad: int = 0
     lanes_m: int = 2  # lanes of a warp along m (the rest, 32/lanes_m, along n)
     split: bool = False  # the thread tile as 4×4 fragments spread over the warp tile (conflict-free reads)
+    # Barriers per K tile: two (wait_group(buffers-1) after the refill is issued, a barrier before and after the
+    # multiply-adds) or one (wait_group(buffers-2) and the barrier first, then the refill; needs 2+ buffers).
+    sync: str = "two"
     plant: str = ""  # a deliberate pipeline bug, for the tests of the gate only
 
     @property
@@ -64,7 +69,7 @@ class Params:
     def label(self) -> str:
         return (f"{self.bm}x{self.bn}x{self.bk} t{self.tm}x{self.tn} buf{self.buffers} A:{self.a_layout}/{self.a_width}B"
                 f" B:{self.b_width}B pad{self.a_pad}/{self.b_pad} lanes{self.lanes_m}x{32 // self.lanes_m}"
-                f"{' split' if self.split else ''}" + (f" PLANTED {self.plant}" if self.plant else ""))
+                f"{' split' if self.split else ''}{' 1bar' if self.sync == 'one' else ''}" + (f" PLANTED {self.plant}" if self.plant else ""))
 
 
 class Matmul:
@@ -95,8 +100,9 @@ class Matmul:
             value = getattr(p, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"tile: {name} must be a positive whole number, got {value!r}")
-        if p.tm not in (4, 8) or p.tn not in (4, 8):
-            raise ConfigError(f"thread-tile: tm and tn are 4 or 8 (shared memory is read in float4s), got {p.tm}×{p.tn}")
+        if p.tm not in THREAD_TILE or p.tn not in THREAD_TILE:
+            raise ConfigError(f"thread-tile: tm and tn are one of {THREAD_TILE} (shared memory is read in float4s), "
+                              f"got {p.tm}×{p.tn}")
         if p.bm % p.tm or p.bn % p.tn:
             raise ConfigError(f"tile-divides: the thread tile {p.tm}×{p.tn} must divide the block tile {p.bm}×{p.bn}")
         threads = p.threads
@@ -113,8 +119,13 @@ class Matmul:
         if p.bm % warp_m or p.bn % warp_n:
             raise ConfigError(f"warp-tile: a warp of {p.lanes_m}×{32 // p.lanes_m} lanes covers {warp_m}×{warp_n}, "
                               f"which must divide the block tile {p.bm}×{p.bn}; choose another lanes_m")
-        if p.buffers not in (1, 2, 3):
-            raise ConfigError(f"buffers: 1, 2 or 3 shared-memory stages, got {p.buffers}")
+        if p.buffers not in (1, 2, 3, 4):
+            raise ConfigError(f"buffers: 1 to 4 shared-memory stages, got {p.buffers}")
+        if p.sync not in SYNCS:
+            raise ConfigError(f"sync: barriers per K tile is one of {SYNCS}, got {p.sync!r}")
+        if p.sync == "one" and p.buffers < 2:
+            raise ConfigError("sync: one barrier per K tile refills the stage read one step earlier, so it needs "
+                              "buffers of 2 or more; use sync two with one buffer")
         if p.a_layout not in A_LAYOUTS:
             raise ConfigError(f"a-layout: a_layout is one of {A_LAYOUTS}, got {p.a_layout!r}")
         if p.a_width not in COPY_WIDTHS or p.b_width not in COPY_WIDTHS:
@@ -187,6 +198,7 @@ class Matmul:
         layout = "at" if p.a_layout == "transposed" else "ad"
         return (f"matmul_m{shape.m}_n{shape.n}_k{shape.k}_b{p.bm}x{p.bn}x{p.bk}_t{p.tm}x{p.tn}_s{p.buffers}"
                 f"_{layout}{p.a_width}_b{p.b_width}_p{p.a_pad}x{p.b_pad}_l{p.lanes_m}{'s' if p.split else ''}"
+                f"{'_y1' if p.sync == 'one' else ''}"
                 + (f"_bug_{p.plant}" if p.plant else ""))
 
     def _copy_plan(self, shape: Shape, p: Params, tensor: str) -> list[dict[str, int]]:
@@ -227,7 +239,7 @@ class Matmul:
             A_CHUNKS=grid["A"][1], B_CHUNKS=grid["B"][1],
             A_COPIES=self._copy_plan(shape, p, "A"), B_COPIES=self._copy_plan(shape, p, "B"),
             LANES_N=lanes_n, WARPS_N=p.bn // warp_n, WM=warp_m, WN=warp_n, SPLIT=p.split,
-            A_FRAGS=a_frags, B_FRAGS=b_frags, PLANT=p.plant, C_VEC=4 if shape.n % 4 == 0 else 1,
+            A_FRAGS=a_frags, B_FRAGS=b_frags, PLANT=p.plant, ONE_BARRIER=p.sync == "one", C_VEC=4 if shape.n % 4 == 0 else 1,
         )
 
     def source(self, shape: Shape, p: Params) -> Source:
