@@ -1,5 +1,8 @@
 """Layer norm on this GPU: the tuned mage-gen kernel against torch and Triton at its best num_warps,
 hot and cold, on the seven shapes of the sweep, with the device-to-device copy bandwidth of the same run.
+Beside each shape, timed the same way and interleaved: floors no layer norm can beat by much: torch copying
+an M×d x into y (the same bytes moved), and empty kernels on one block per row and on 528 blocks (the
+fixed cost of a launch in a graph).
 
 Each d uses this GPU's winner from tuned/ (tuned at M = 4096); with --tune-missing, a d without one is
 tuned first with `mage-gen tune`. Every kernel and peer is gated at the benched shape before it is timed.
@@ -16,11 +19,13 @@ import math
 import sys
 
 import torch
+import triton
+import triton.language as tl
 
 from mage_gen import gpu
 from mage_gen.measure import Bench, gate, interleave
 from mage_gen.ops import get_op
-from mage_gen.peers import make_peers
+from mage_gen.peers import TorchSubject, make_peers
 from mage_gen.timing import Timing
 from mage_gen.variants import build
 
@@ -47,6 +52,19 @@ def copy_bandwidth() -> Timing:
     return Timing.from_samples("copy", samples)
 
 
+@triton.jit
+def _empty_kernel(X):
+    pass
+
+
+def floor_subjects(m: int, d: int) -> list[TorchSubject]:
+    x = torch.randn(m, d, device="cuda")
+    y = torch.empty_like(x)
+    return [TorchSubject("floor:copy", lambda: y.copy_(x)),
+            TorchSubject("floor:empty_grid_m", lambda: _empty_kernel[(m,)](x, num_warps=4)),
+            TorchSubject(f"floor:empty_grid_{4 * 132}", lambda: _empty_kernel[(4 * 132,)](x, num_warps=4))]
+
+
 def bench_shape(op, m: int, d: int, params, device, copy_bytes_per_us: float) -> dict:
     shape, run = op.shape(d=d), {"m": m}
     variant = build(op, shape, params, device.arch)
@@ -59,7 +77,8 @@ def bench_shape(op, m: int, d: int, params, device, copy_bytes_per_us: float) ->
         subject = bench.subject(variant, kernel, name="mage-gen")
         inputs = subject.bound.inputs
         peers, missing = make_peers(op, shape, run, inputs, op.reference(shape, inputs, op.scalars(shape, run)))
-        everyone = [subject, *peers]
+        floors = floor_subjects(m, d)
+        everyone = [subject, *peers, *floors]
         hot = interleave(everyone, "hot", ROUNDS, PER_ROUND)
         cold = interleave(everyone, "cold", ROUNDS, PER_ROUND)
         subject.close()
@@ -77,6 +96,8 @@ def bench_shape(op, m: int, d: int, params, device, copy_bytes_per_us: float) ->
     for method, table in (("hot", hot), ("cold", cold)):
         mine = table["mage-gen"].median_us
         result[f"{method}_ratio"] = {p.name: mine / table[p.name].median_us for p in peers}
+        if "triton" in table:
+            result[f"{method}_copy_floor_ratio_to_triton"] = table["floor:copy"].median_us / table["triton"].median_us
         result[f"{method}_bandwidth_fraction"] = floor_us / mine
     return result
 
@@ -93,9 +114,13 @@ def main() -> None:
     rows = [bench_shape(op, m, d, params[d], device, copy.median_us) for m, d in SHAPES]
     timed = [r for r in rows if "timings" in r]
     ratios = [r["hot_ratio"]["triton"] for r in timed if "triton" in r["hot_ratio"]]
+    copy_ratios = [r["hot_copy_floor_ratio_to_triton"] for r in timed if "hot_copy_floor_ratio_to_triton" in r]
     summary = {
         "geomean_hot_ratio_to_triton": math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None,
         "max_hot_ratio_to_triton": max(ratios) if ratios else None,
+        # What the geomean would be for a layer norm exactly as fast as copying x into y at every shape.
+        "geomean_hot_copy_floor_ratio_to_triton":
+            math.exp(sum(map(math.log, copy_ratios)) / len(copy_ratios)) if copy_ratios else None,
         "hot_bandwidth_fraction": {f"{r['m']}x{r['d']}": r["hot_bandwidth_fraction"] for r in timed},
         "all_gated": len(timed) == len(rows),
     }
@@ -109,13 +134,17 @@ def main() -> None:
             "cold": f"256 MB written before each launch, {ROUNDS} rounds × {PER_ROUND} launches interleaved",
             "copy_bandwidth": "torch device-to-device copy of 2 GiB, (read + write bytes) / time, median of 10",
             "bandwidth_fraction": "bytes a layer norm must move (x read, y written once) / copy bandwidth / time",
+            "floors": "timed like the kernels, interleaved with them: floor:copy is torch's y.copy_(x) for the "
+                      "shape's M×d (the bytes a layer norm moves, nothing computed); floor:empty_grid_* is an "
+                      "empty Triton kernel of 4 warps per block on M blocks and on 528 (4 per SM)",
         },
         **provenance(device),
         "copy_bandwidth_bytes_per_us": copy.to_dict(), "shapes": rows, "summary": summary,
     }
     out = write_result(device, "layernorm.json", json.dumps(doc, indent=1) + "\n")
     print(f"copy bandwidth {copy.median_us / 1e6:.3f} TB/s")
-    print(f"{'M×d':>11} {'kernel':48} {'hot':>7} {'triton':>7} {'torch':>7} {'ratio':>6} {'BW%':>5} {'cold':>7} {'tr.cold':>7}")
+    print(f"{'M×d':>11} {'kernel':48} {'hot':>7} {'triton':>7} {'torch':>7} {'ratio':>6} {'BW%':>5} {'cold':>7} {'tr.cold':>7}"
+          f" {'copy':>7} {'empty M':>7}")
     for r in rows:
         if "timings" not in r:
             print(f"{r['m']}x{r['d']:<6} {r['kernel']:48} FAILED GATE: {r['gate']['reason']}")
@@ -125,7 +154,8 @@ def main() -> None:
               f"{t.get('triton', {}).get('hot', {}).get('median_us', float('nan')):7.2f} "
               f"{t.get('torch', {}).get('hot', {}).get('median_us', float('nan')):7.2f} "
               f"{r['hot_ratio'].get('triton', float('nan')):6.3f} {100 * r['hot_bandwidth_fraction']:5.1f} "
-              f"{t['mage-gen']['cold']['median_us']:7.2f} {t.get('triton', {}).get('cold', {}).get('median_us', float('nan')):7.2f}")
+              f"{t['mage-gen']['cold']['median_us']:7.2f} {t.get('triton', {}).get('cold', {}).get('median_us', float('nan')):7.2f}"
+              f" {t['floor:copy']['hot']['median_us']:7.2f} {t['floor:empty_grid_m']['hot']['median_us']:7.2f}")
     print(json.dumps(summary))
     print(f"wrote {out}", file=sys.stderr)
 
