@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Nsight Compute's full set for one matmul kernel at 2048³ and for cuBLAS's, raw metrics as CSV under
+# $RESULTS (default bench/results/h200/ncu); bench/ncu_summary.py reads them. Clocks are left alone
+# (--clock-control none). Run from the repository root on the GPU machine:
+#
+#     bench/ncu_matmul.sh NAME '{"bm": 128, "bn": 128, "bk": 16, "tm": 16, "tn": 8, ...}'
+#     bench/ncu_matmul.sh cublas_2048 cublas
+set -euo pipefail
+NAME="$1"; PARAMS="$2"; SHAPE="${SHAPE:-2048,2048,2048}"
+RESULTS="${RESULTS:-bench/results/h200/ncu}"
+mkdir -p "$RESULTS"
+if [[ "$PARAMS" == cublas ]]; then
+    FILTER=(-k regex:Kernel2 -s 2)  # cuBLAS names its FP32 kernel Kernel2<cutlass_80_simt_sgemm_...>
+else
+    FILTER=(-k regex:matmul_m -s 1)
+fi
+ncu --clock-control none --set full -c 1 "${FILTER[@]}" --export "$RESULTS/$NAME" \
+    python3 bench/ncu_matmul_target.py "$SHAPE" "$PARAMS"
+ncu -i "$RESULTS/$NAME.ncu-rep" --page raw --csv > "$RESULTS/$NAME.csv"
+rm -f "$RESULTS/$NAME.ncu-rep"
