@@ -4,62 +4,97 @@ re-timed interleaved with cuBLAS and Triton. Writes the JSON named first (run fr
 
     python bench/matmul_sync_pairs.py bench/results/h200/matmul_sync_pairs.json 1024,1024,1024 2048,2048,2048
 """
-import itertools, json, sys, time, dataclasses
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
 from mage_gen import gpu
+from mage_gen.errors import ConfigError
 from mage_gen.measure import Bench, interleave
 from mage_gen.ops import get_op
 from mage_gen.peers import make_peers
+from mage_gen.store import write_atomic
 from mage_gen.variants import build_all
-from mage_gen.errors import ConfigError
 
-op = get_op("matmul"); P = op.params_type
-out = sys.argv[1]; shapes = [tuple(map(int, s.split(","))) for s in sys.argv[2:]]
-dev = gpu.open_device()
+FINALISTS = 6
+OP = get_op("matmul")
+Params = OP.params_type
 
-def configs(shape):
+
+def configs(shape) -> list:
     """The quick preset as of the recorded run (tm 8, one 16-byte B copy, A padded by 4, lanes 2, split) under
     both syncs, then 128×128 tiles of 8×16 and 16×8 per thread."""
-    cs = []
-    for bm, bn, bk, tn, buf, layout, aw, sync in itertools.product(
-            [64, 128], [64, 128], [16, 32], [4, 8], [2, 3], ["transposed", "direct"], [4, 16], ["two", "one"]):
-        cs.append(P(bm=bm, bn=bn, bk=bk, tm=8, tn=tn, buffers=buf, a_layout=layout, a_width=aw, b_width=16,
-                    a_pad=4, lanes_m=2, split=True, sync=sync))
-    for bm, bn, bk, (tm, tn), buf, aw, lanes, sync in itertools.product(
-            [128], [128], [8, 16], [(8, 16), (16, 8)], [2, 3], [4, 16], [2, 4], ["two", "one"]):
-        cs.append(P(bm=bm, bn=bn, bk=bk, tm=tm, tn=tn, buffers=buf, a_layout="transposed" if aw == 4 else "direct",
-                    a_width=aw, b_width=16, a_pad=4, lanes_m=lanes, split=True, sync=sync))
+    candidates = [
+        Params(bm=bm, bn=bn, bk=bk, tm=8, tn=tn, buffers=buffers, a_layout=layout, a_width=a_width, b_width=16,
+               a_pad=4, lanes_m=2, split=True, sync=sync)
+        for bm, bn, bk, tn, buffers, layout, a_width, sync in itertools.product(
+            [64, 128], [64, 128], [16, 32], [4, 8], [2, 3], ["transposed", "direct"], [4, 16], ["two", "one"])
+    ] + [
+        Params(bm=128, bn=128, bk=bk, tm=tm, tn=tn, buffers=buffers,
+               a_layout="transposed" if a_width == 4 else "direct", a_width=a_width, b_width=16, a_pad=4,
+               lanes_m=lanes, split=True, sync=sync)
+        for bk, (tm, tn), buffers, a_width, lanes, sync in itertools.product(
+            [8, 16], [(8, 16), (16, 8)], [2, 3], [4, 16], [2, 4], ["two", "one"])
+    ]
     valid = []
-    for p in dict.fromkeys(cs):
+    for params in dict.fromkeys(candidates):
         try:
-            op.validate(shape, p); valid.append(p)
+            OP.validate(shape, params)
         except ConfigError:
-            pass
+            continue
+        valid.append(params)
     return valid
 
-doc = []
-for m, n, k in shapes:
-    shape = op.shape(m=m, n=n, k=k)
-    cs = configs(shape)
-    t = time.time(); vs = build_all(op, shape, cs, dev.arch); print("built", len(vs), time.time() - t, flush=True)
-    bench = Bench(op, shape, {}, seed=m + n + k)
+
+def sweep(m: int, n: int, k: int, device) -> dict:
+    shape = OP.shape(m=m, n=n, k=k)
+    started = time.time()
+    variants = build_all(OP, shape, configs(shape), device.arch)
+    print("built", len(variants), time.time() - started, flush=True)
+    bench = Bench(OP, shape, {}, seed=m + n + k)
     rows = []
-    for v in vs:
+    for v in variants:
         ev = bench.evaluate(v)
         hot = ev.hot.median_us if ev.hot else float("nan")
-        rows.append(dict(label=v.params.label(), params=op.params_to_dict(v.params), regs=v.census.registers,
+        rows.append(dict(label=v.params.label(), params=OP.params_to_dict(v.params), regs=v.census.registers,
                          spill=v.census.spill_bytes, hot=hot, passed=ev.gate.passed, reason=ev.gate.reason))
-        print(f"{m}x{n}x{k} {hot:9.1f} {v.census.registers:3d} {v.params.label()}" + ("" if ev.gate.passed else " FAIL " + ev.gate.reason[:80]), flush=True)
-    ok = sorted((r for r in rows if r["passed"]), key=lambda r: r["hot"])
-    by = {v.params.label(): v for v in vs}
-    subs, ks = [], []
-    for r in ok[:6]:
-        kk = bench.load(by[r["label"]]); ks.append(kk); subs.append(bench.subject(by[r["label"]], kk, name=r["label"]))
-    inputs = subs[0].bound.inputs
-    peers, missing = make_peers(op, shape, {}, inputs, op.reference(shape, inputs, {}))
-    every = [*subs, *peers]
-    hot = interleave(every, "hot", 5, 6); cold = interleave(every, "cold", 3, 4)
-    for s in every:
-        print(f"{m}x{n}x{k} FINAL {hot[s.name].median_us:9.2f} ±{hot[s.name].spread_us:.2f} cold {cold[s.name].median_us:9.2f} {s.name}", flush=True)
-    for s in subs: s.close()
-    doc.append(dict(shape=[m, n, k], rows=rows, final={s.name: dict(hot=hot[s.name].to_dict(), cold=cold[s.name].to_dict()) for s in every}))
-    json.dump(doc, open(out, "w"), indent=1)
+        print(f"{m}x{n}x{k} {hot:9.1f} {v.census.registers:3d} {v.params.label()}"
+              + ("" if ev.gate.passed else " FAIL " + ev.gate.reason[:80]), flush=True)
+    passed = sorted((r for r in rows if r["passed"]), key=lambda r: r["hot"])
+    by_label = {v.params.label(): v for v in variants}
+    kernels, subjects = [], []
+    for r in passed[:FINALISTS]:
+        kernels.append(bench.load(by_label[r["label"]]))
+        subjects.append(bench.subject(by_label[r["label"]], kernels[-1], name=r["label"]))
+    inputs = subjects[0].bound.inputs
+    peers, _ = make_peers(OP, shape, {}, inputs, OP.reference(shape, inputs, {}))
+    everyone = [*subjects, *peers]
+    hot = interleave(everyone, "hot", 5, 6)
+    cold = interleave(everyone, "cold", 3, 4)
+    for s in everyone:
+        print(f"{m}x{n}x{k} FINAL {hot[s.name].median_us:9.2f} ±{hot[s.name].spread_us:.2f} "
+              f"cold {cold[s.name].median_us:9.2f} {s.name}", flush=True)
+    for s in subjects:
+        s.close()
+    for kernel in kernels:
+        kernel.unload()
+    return dict(shape=[m, n, k], rows=rows,
+                final={s.name: dict(hot=hot[s.name].to_dict(), cold=cold[s.name].to_dict()) for s in everyone})
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    device = gpu.open_device()
+    doc = []
+    for dims in sys.argv[2:]:
+        doc.append(sweep(*(int(x) for x in dims.split(",")), device))
+        write_atomic(out, (json.dumps(doc, indent=1)).encode())  # each shape as soon as it is done
+
+
+if __name__ == "__main__":
+    main()

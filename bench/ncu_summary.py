@@ -3,21 +3,40 @@ and FMA-pipe utilisation, shared-memory bank conflicts and the leading stall rea
 
     python bench/ncu_summary.py bench/results/h200/ncu/*.csv > bench/results/h200/ncu/summary.txt
 """
-import csv, sys
-KEYS = ["gpu__time_duration.sum", "launch__grid_size", "launch__block_size", "launch__registers_per_thread",
-        "launch__shared_mem_per_block_dynamic", "launch__shared_mem_per_block_static", "launch__occupancy_limit_registers",
-        "launch__occupancy_limit_shared_mem", "sm__warps_active.avg.pct_of_peak_sustained_active",
-        "smsp__issue_active.avg.pct_of_peak_sustained_active", "sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active",
-        "smsp__inst_executed.sum", "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum",
-        "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ldgsts.sum", "smsp__inst_executed_op_shared_ld.sum",
-        "sm__sass_inst_executed_op_shared_ld.sum", "smsp__sass_inst_executed_op_shared_ld.sum"]
-for path in sys.argv[1:]:
-    rows = list(csv.reader(open(path)))
-    hdr, units, vals = rows[0], rows[1], rows[2]
-    d = dict(zip(hdr, vals)); u = dict(zip(hdr, units))
-    print("==", path.split("/")[-1], d.get("Kernel Name", "")[:90])
-    for k in KEYS:
-        if k in d: print(f"  {k} = {d[k]} {u[k]}")
-    st = sorted(((float(v.replace(",", "")), h) for h, v in d.items()
-                 if "average_warps_issue_stalled" in h and h.endswith("per_issue_active.ratio") and v not in ("", "n/a")), reverse=True)
-    print("  stalls per issued instruction: " + ", ".join(f"{h.split('stalled_')[1].split('_per_issue')[0]} {v:.2f}" for v, h in st[:8]))
+
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+
+METRICS = [
+    "gpu__time_duration.sum", "launch__grid_size", "launch__block_size", "launch__registers_per_thread",
+    "launch__shared_mem_per_block_dynamic", "launch__shared_mem_per_block_static",
+    "launch__occupancy_limit_registers", "launch__occupancy_limit_shared_mem",
+    "sm__warps_active.avg.pct_of_peak_sustained_active", "smsp__issue_active.avg.pct_of_peak_sustained_active",
+    "sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active", "smsp__inst_executed.sum",
+    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum",
+    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ldgsts.sum", "smsp__sass_inst_executed_op_shared_ld.sum",
+]
+STALL_PREFIX, STALL_SUFFIX = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
+STALLS_SHOWN = 8
+
+
+def summarize(path: Path) -> str:
+    # ncu --page raw --csv: a row of metric names, a row of units, then one row per profiled kernel.
+    names, units, values = list(csv.reader(path.open()))[:3]
+    value, unit = dict(zip(names, values)), dict(zip(names, units))
+    lines = [f"== {path.name} {value.get('Kernel Name', '')[:90]}"]
+    lines += [f"  {name} = {value[name]} {unit[name]}" for name in METRICS if name in value]
+    stalls = sorted(((float(v.replace(",", "")), name[len(STALL_PREFIX):-len(STALL_SUFFIX)])
+                     for name, v in value.items()
+                     if name.startswith(STALL_PREFIX) and name.endswith(STALL_SUFFIX) and v not in ("", "n/a")),
+                    reverse=True)
+    lines.append("  stalls per issued instruction: "
+                 + ", ".join(f"{reason} {ratio:.2f}" for ratio, reason in stalls[:STALLS_SHOWN]))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print("\n".join(summarize(Path(p)) for p in sys.argv[1:]))
