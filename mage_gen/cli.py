@@ -65,8 +65,17 @@ def _parse_config(items: list[str]) -> dict[str, Any]:
             key, sep, raw = pair.partition("=")
             if not sep:
                 raise MageError(f"config: {pair!r} is not KEY=VALUE (e.g. --config rows_per_block=4)")
-            values[key.strip().replace("-", "_")] = int(raw) if raw.strip().lstrip("-").isdigit() else raw.strip()
+            values[key.strip().replace("-", "_")] = _config_value(raw.strip())
     return values
+
+
+def _config_value(raw: str) -> int | bool | str:
+    """A --config value as the params field expects it: a whole number, true/false (matmul's split), or text."""
+    if raw.lstrip("-").isdigit():
+        return int(raw)
+    if raw.lower() in ("true", "false"):
+        return raw.lower() == "true"
+    return raw
 
 
 def _launch_dict(op: Op, shape: Any, params: Any, run: dict[str, int]) -> dict[str, Any]:

@@ -30,6 +30,15 @@ def test_inspect_table_and_source():
     assert "passes over x" in done.stdout
 
 
+def test_inspect_matmul_config_takes_booleans_and_the_one_barrier_sync():
+    done = mage_gen("inspect", "matmul", "--m", "256", "--n", "256", "--k", "256", "--json", "--config",
+                    "bm=128,bn=128,bk=16,tm=16,tn=8,buffers=3,split=true,sync=one")
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert doc["params"]["split"] is True and doc["params"]["sync"] == "one"
+    assert doc["census"]["wait_groups"] == {"0": 1, "1": 1} and doc["census"]["bar_sync"] == 2
+
+
 def test_variants_json_lists_only_valid_configs():
     done = mage_gen("variants", "layernorm", "--d", "256", "--preset", "quick", "--json")
     assert done.returncode == 0, done.stderr
