@@ -179,6 +179,19 @@ def test_cli_config_needs_no_gpu_and_gives_no_timings(tmp_path):
     assert "timings none" in " ".join((tmp_path / "layernorm_d1024.cu").read_text().split())
 
 
+def test_the_regenerate_line_of_a_matmul_header_rebuilds_the_same_kernel(tmp_path):
+    mm = get_op("matmul")
+    shape = mm.shape(m=256, n=256, k=256)
+    params = mm.params_type(bm=128, bn=128, bk=16, tm=16, tn=8, buffers=3, split=True, sync="one")
+    emit(mm, shape, params, "sm_90", tmp_path / "first", None)
+    name = "matmul_m256_n256_k256"
+    header = (tmp_path / "first" / f"{name}.cu").read_text().split("\n\n", 1)[0]
+    command = next(line for line in header.splitlines() if "mage-gen emit" in line).split("mage-gen ", 1)[1].split()
+    done = mage_gen_cli(*command, "-o", str(tmp_path / "again"), tuned=tmp_path / "empty")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "again" / f"{name}.ptx").read_bytes() == (tmp_path / "first" / f"{name}.ptx").read_bytes()
+
+
 def test_cli_without_a_winner(tmp_path):
     done = mage_gen_cli("emit", "layernorm", "--d", "768", "-o", str(tmp_path / "out"), tuned=tmp_path,
                         gpu="NVIDIA H200")
