@@ -4,6 +4,7 @@ writing it under bench/results/<gpu>/."""
 from __future__ import annotations
 
 import datetime
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,10 @@ def winner_params(op, shape, device, tune_missing: bool, tune_flags: list[str]):
             raise
     subprocess.run([sys.executable, "-m", "mage_gen", "tune", op.name, *tune_flags, "--out", TUNE_OUT], check=True)
     return load_winner(op, shape, device.name).params
+
+
+def geomean(values: list[float]) -> float | None:
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else None
 
 
 def provenance(device) -> dict:

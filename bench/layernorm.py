@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 
 import torch
@@ -29,7 +28,7 @@ from mage_gen.peers import TorchSubject, make_peers
 from mage_gen.timing import Timing
 from mage_gen.variants import build
 
-from _common import provenance, winner_params, write_result  # bench/_common.py, beside this script
+from _common import geomean, provenance, winner_params, write_result  # bench/_common.py, beside this script
 
 SHAPES = [(4096, 768), (4096, 1024), (4096, 2048), (4096, 4096), (4096, 8192), (65536, 768), (32768, 4096)]
 ROUNDS, PER_ROUND = 5, 6
@@ -116,11 +115,10 @@ def main() -> None:
     ratios = [r["hot_ratio"]["triton"] for r in timed if "triton" in r["hot_ratio"]]
     copy_ratios = [r["hot_copy_floor_ratio_to_triton"] for r in timed if "hot_copy_floor_ratio_to_triton" in r]
     summary = {
-        "geomean_hot_ratio_to_triton": math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None,
+        "geomean_hot_ratio_to_triton": geomean(ratios),
         "max_hot_ratio_to_triton": max(ratios) if ratios else None,
         # What the geomean would be for a layer norm exactly as fast as copying x into y at every shape.
-        "geomean_hot_copy_floor_ratio_to_triton":
-            math.exp(sum(map(math.log, copy_ratios)) / len(copy_ratios)) if copy_ratios else None,
+        "geomean_hot_copy_floor_ratio_to_triton": geomean(copy_ratios),
         "hot_bandwidth_fraction": {f"{r['m']}x{r['d']}": r["hot_bandwidth_fraction"] for r in timed},
         "all_gated": len(timed) == len(rows),
     }

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 
 import numpy as np
@@ -24,7 +23,7 @@ from mage_gen.ops import get_op
 from mage_gen.peers import make_peers
 from mage_gen.variants import build
 
-from _common import provenance, winner_params, write_result  # bench/_common.py, beside this script
+from _common import geomean, provenance, winner_params, write_result  # bench/_common.py, beside this script
 
 SHAPES = [(1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (1000, 1000, 1000), (4096, 512, 1024)]
 ROUNDS, PER_ROUND = 5, 6
@@ -104,7 +103,7 @@ def summarize(rows: list[dict]) -> dict:
         "hot_ratios": to_triton, "met": all(r is not None and r < 1.0 for r in to_triton.values())}
     ratios = [r for r in to_triton.values() if r is not None]
     return {"targets": targets, "all_targets_met": all(t["met"] for t in targets.values()),
-            "geomean_hot_ratio_to_triton": math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None,
+            "geomean_hot_ratio_to_triton": geomean(ratios),
             "all_gated": all("timings" in r for r in rows)}
 
 
