@@ -19,7 +19,6 @@ import sys
 
 import torch
 import triton
-import triton.language as tl
 
 from mage_gen import gpu
 from mage_gen.measure import Bench, gate, interleave

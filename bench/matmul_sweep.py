@@ -4,7 +4,7 @@ timed hot and cold at each shape, then the five fastest re-timed interleaved wit
 For choosing presets and template parameters, not for the targets (bench/matmul.py holds those).
 Writes bench/results/<gpu>/matmul_sweep.json.
 
-    python bench/matmul_sweep.py --preset sweep --shapes 1024,1024,1024 2048,2048,2048
+    python bench/matmul_sweep.py --preset explore --shapes 1024,1024,1024 2048,2048,2048
 """
 
 from __future__ import annotations
