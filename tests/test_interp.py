@@ -227,6 +227,69 @@ def cp_async_kernel(wait: str, src_size: str = "16") -> str:
     return kernel(body, ".param .u64 out, .param .u64 src", shared=".extern .shared .align 16 .b8 smem[];")
 
 
+def test_cp_async_at_a_negative_offset_reads_below_its_base():
+    body = CP_ASYNC.format(wait="cp.async.wait_group 0;").replace(
+        "add.s64 %rd4, %rd2, %rd3;", "add.s64 %rd4, %rd2, %rd3;\n    add.s64 %rd4, %rd4, 16;").replace(
+        "[%rd4], 16, %r9;", "[%rd4+-16], 16, 16;")
+    src = np.arange(128, dtype=np.float32) + 1
+    out = np.full(128, np.nan, dtype=np.float32)
+    interp.run(kernel(body, ".param .u64 out, .param .u64 src", shared=".extern .shared .align 16 .b8 smem[];"),
+               "k", 1, 32, 32 * 16, [out, src])
+    assert (out == src).all()
+
+
+def test_mad_wide_adds_all_64_bits_of_its_addend():
+    body = """
+    ld.param.u64 %rd1, [out];
+    mov.u32 %r1, %tid.x;
+    mad.wide.u32 %rd2, %r1, 4, %rd1;
+    st.global.u32 [%rd2], %r1;
+    ret;
+"""
+    out = np.zeros(32, dtype=np.uint32)  # its address lies above 2^32 in the interpreter's global space
+    interp.run(kernel(body), "k", 1, 32, 0, [out])
+    assert (out == np.arange(32)).all()
+
+
+def test_a_sink_in_a_vector_load_writes_no_register():
+    body = """
+    ld.param.u64 %rd1, [out];
+    mov.u32 %r1, %tid.x;
+    mul.wide.u32 %rd2, %r1, 8;
+    add.s64 %rd3, %rd1, %rd2;
+    mov.u32 %r31, 99;
+    ld.global.v2.u32 {%r2, _}, [%rd3];
+    st.global.v2.u32 [%rd3], {%r2, %r31};
+    ret;
+"""
+    out = np.arange(64, dtype=np.uint32)
+    interp.run(kernel(body), "k", 1, 32, 0, [out])
+    assert (out[0::2] == np.arange(0, 64, 2)).all() and (out[1::2] == 99).all()
+
+
+def test_ftz_flushes_comparisons_and_immediate_only_results():
+    body = """
+    ld.param.u64 %rd1, [out];
+    mov.u32 %r1, %tid.x;
+    mul.wide.u32 %rd2, %r1, 4;
+    add.s64 %rd3, %rd1, %rd2;
+    mov.b32 %f1, 0f00000001;
+    setp.gt.ftz.f32 %p1, %f1, 0f00000000;
+    selp.u32 %r2, 1, 2, %p1;
+    add.ftz.f32 %f2, 0f3F800000, 0f3F800000;
+    setp.lt.u32 %p2, %r1, 16;
+    @%p2 ld.global.f32 %f2, [%rd3];
+    mov.b32 %r3, %f2;
+    add.s32 %r2, %r2, %r3;
+    st.global.u32 [%rd3], %r2;
+    ret;
+"""
+    out = np.zeros(32, dtype=np.uint32)
+    interp.run(kernel(body), "k", 1, 32, 0, [out])
+    two = int(np.float32(2).view(np.uint32))
+    assert (out[:16] == 2).all() and (out[16:] == 2 + two).all()
+
+
 @pytest.mark.parametrize("wait", ["", "cp.async.wait_group 1;"])
 def test_reading_cp_async_data_before_its_wait_is_a_stale_read(wait):
     src = np.arange(128, dtype=np.float32)

@@ -36,11 +36,13 @@ def _float_mods(parts, typ, extra=()) -> bool:
     return "ftz" in parts and typ == "f32"
 
 
-def _emit(dec: Decoder, dst: str, compute, dt):
+def _emit(dec: Decoder, dst: str, compute):
+    """fn(warp, mask) writing compute(registers) to dst; a 0-d result (every source an immediate) is spread
+    over the lanes."""
     d = dec.dst(dst)
 
     def fn(w, m):
-        w.put(d, compute(w.r), m)
+        w.put(d, _full(compute(w.r)), m)
     return fn
 
 
@@ -61,8 +63,8 @@ def _binary(f):
             op = {"lo": np.multiply, "wide": _mul_wide, "hi": _mul_hi}[mode]
         a, b = dec.src(st.operands[1], dt), dec.src(st.operands[2], dt)
         if ftz:
-            return _emit(dec, st.operands[0], lambda r: fp.ftz(op(fp.ftz(a(r)), fp.ftz(b(r)))), dt)
-        return _emit(dec, st.operands[0], lambda r: _full(op(a(r), b(r))), dt)
+            return _emit(dec, st.operands[0], lambda r: fp.ftz(op(fp.ftz(a(r)), fp.ftz(b(r)))))
+        return _emit(dec, st.operands[0], lambda r: op(a(r), b(r)))
     return build
 
 
@@ -71,9 +73,12 @@ def _full(x):
     return x if x.ndim else np.full(LANES, x)
 
 
+_WIDER = {np.dtype(np.int32): np.int64, np.dtype(np.uint32): np.uint64, np.dtype(np.int16): np.int32,
+          np.dtype(np.uint16): np.uint32}
+
+
 def _mul_wide(a, b):
-    wide = {np.dtype(np.int32): np.int64, np.dtype(np.uint32): np.uint64, np.dtype(np.int16): np.int32,
-            np.dtype(np.uint16): np.uint32}[np.asarray(a).dtype]
+    wide = _WIDER[np.asarray(a).dtype]
     return np.asarray(a).astype(wide) * np.asarray(b).astype(wide)
 
 
@@ -130,7 +135,7 @@ def _shift(left: bool):
                     return np.where(big, dt.type(0), x << s)
                 fill = np.where(x < 0, dt.type(-1), dt.type(0)) if dt.kind == "i" else dt.type(0)
                 return np.where(big, fill, x >> s)
-        return _emit(dec, st.operands[0], lambda r: _full(comp(r)), dt)
+        return _emit(dec, st.operands[0], comp)
     return build
 
 
@@ -143,15 +148,15 @@ def _fma(dec, st, parts):
             raise UnknownInstruction(f"{parts[0]}.{typ} not implemented")
         ftz = _float_mods(parts, typ)
         if ftz:
-            return _emit(dec, st.operands[0], lambda r: fp.ftz(fp.fma_f32(fp.ftz(a(r)), fp.ftz(b(r)), fp.ftz(c(r)))), dt)
-        return _emit(dec, st.operands[0], lambda r: _full(fp.fma_f32(a(r), b(r), c(r))), dt)
+            return _emit(dec, st.operands[0], lambda r: fp.ftz(fp.fma_f32(fp.ftz(a(r)), fp.ftz(b(r)), fp.ftz(c(r)))))
+        return _emit(dec, st.operands[0], lambda r: fp.fma_f32(a(r), b(r), c(r)))
     _unsupported(parts, {"lo", "wide", "hi"})
-    if "wide" in parts:
-        return _emit(dec, st.operands[0], lambda r: _mul_wide(a(r), b(r)) + np.asarray(c(r)).astype(
-            np.int64 if np.dtype(dt).kind == "i" else np.uint64), dt)
+    if "wide" in parts:  # the addend and the result are twice as wide as the factors
+        c_wide = dec.src(st.operands[3], _WIDER[np.dtype(dt)])
+        return _emit(dec, st.operands[0], lambda r: _mul_wide(a(r), b(r)) + c_wide(r))
     if "lo" not in parts:
         raise UnknownInstruction("integer mad needs .lo or .wide")
-    return _emit(dec, st.operands[0], lambda r: _full(a(r) * b(r) + c(r)), dt)
+    return _emit(dec, st.operands[0], lambda r: a(r) * b(r) + c(r))
 
 
 def _unary(f_int, f_float):
@@ -164,11 +169,11 @@ def _unary(f_int, f_float):
             if f_float is None:
                 raise UnknownInstruction(f"{parts[0]}.{typ} not implemented")
             if ftz:
-                return _emit(dec, st.operands[0], lambda r: fp.ftz(f_float(fp.ftz(a(r)))), dt)
-            return _emit(dec, st.operands[0], lambda r: _full(f_float(a(r))), dt)
+                return _emit(dec, st.operands[0], lambda r: fp.ftz(f_float(fp.ftz(a(r)))))
+            return _emit(dec, st.operands[0], lambda r: f_float(a(r)))
         if f_int is None:
             raise UnknownInstruction(f"{parts[0]}.{typ} not implemented")
-        return _emit(dec, st.operands[0], lambda r: _full(f_int(a(r))), dt)
+        return _emit(dec, st.operands[0], lambda r: f_int(a(r)))
     return build
 
 
@@ -186,9 +191,9 @@ def _logic(f):
         dt = DTYPES[typ]
         srcs = [dec.src(o, dt) for o in st.operands[1:]]
         if len(srcs) == 1:
-            return _emit(dec, st.operands[0], lambda r: _full(f(srcs[0](r))), dt)
+            return _emit(dec, st.operands[0], lambda r: f(srcs[0](r)))
         a, b = srcs
-        return _emit(dec, st.operands[0], lambda r: _full(f(a(r), b(r))), dt)
+        return _emit(dec, st.operands[0], lambda r: f(a(r), b(r)))
     return build
 
 
@@ -222,6 +227,9 @@ def _setp(dec, st, parts):
     combine = next((p for p in parts[2:] if p in ("and", "or", "xor")), None)
     _unsupported(parts[1:], {cmp, "and", "or", "xor", "ftz"})
     f = _compare(cmp, np.dtype(dt).kind)
+    if "ftz" in parts and typ == "f32":
+        plain = f
+        f = lambda a, b: plain(fp.ftz(a), fp.ftz(b))  # noqa: E731
     dsts = st.operands[0].split("|")
     a, b = dec.src(st.operands[1], dt), dec.src(st.operands[2], dt)
     c = dec.src(st.operands[3], np.bool_) if combine else None
@@ -248,7 +256,7 @@ def _selp(dec, st, parts):
     dt = DTYPES[type_of(parts)]
     a, b = dec.src(st.operands[1], dt), dec.src(st.operands[2], dt)
     c = dec.src(st.operands[3], np.bool_)
-    return _emit(dec, st.operands[0], lambda r: _full(np.where(c(r), a(r), b(r)).astype(dt)), dt)
+    return _emit(dec, st.operands[0], lambda r: np.where(c(r), a(r), b(r)).astype(dt))
 
 
 def _mov(dec, st, parts):
@@ -257,7 +265,7 @@ def _mov(dec, st, parts):
     if len(st.operands) != 2 or st.operands[1].startswith("{") or st.operands[0].startswith("{"):
         raise UnknownInstruction("mov with a vector operand not implemented")
     a = dec.src(st.operands[1], dt)
-    return _emit(dec, st.operands[0], lambda r: _full(a(r)), dt)
+    return _emit(dec, st.operands[0], a)
 
 
 _ROUND_INT = {"rni": np.rint, "rzi": np.trunc, "rmi": np.floor, "rpi": np.ceil}
@@ -275,6 +283,9 @@ def _cvt(dec, st, parts):
     rnd = next((x for x in mods if x in ("rn", "rz", "rm", "rp", "rni", "rzi", "rmi", "rpi")), None)
     ftz = "ftz" in mods
     sat = "sat" in mods
+    if ftz and sdt == np.float32:  # .ftz flushes an f32 source as well as an f32 destination
+        unflushed = a
+        a = lambda r: fp.ftz(unflushed(r))  # noqa: E731
 
     if ddt.kind in "iu" and sdt.kind in "iu":
         if rnd:
@@ -312,7 +323,7 @@ def _cvt(dec, st, parts):
     if ftz and ddt == np.float32:
         inner2 = comp
         comp = lambda r: fp.ftz(inner2(r))  # noqa: E731
-    return _emit(dec, st.operands[0], lambda r: _full(comp(r)), ddt.type)
+    return _emit(dec, st.operands[0], comp)
 
 
 def _cvta(dec, st, parts):
@@ -321,14 +332,14 @@ def _cvta(dec, st, parts):
     a = dec.src(st.operands[1], dt)
     base = dt(SHARED_GENERIC_BASE) if np.dtype(dt).itemsize == 8 else None
     if "global" in parts:
-        return _emit(dec, st.operands[0], lambda r: _full(a(r)), dt)
+        return _emit(dec, st.operands[0], a)
     if "shared" not in parts and "shared::cta" not in parts:
         raise UnknownInstruction("cvta to or from this state space not implemented")
     if base is None:
         raise UnknownInstruction("32-bit cvta.shared not implemented")
     if "to" in parts:
-        return _emit(dec, st.operands[0], lambda r: _full(a(r) - base), dt)
-    return _emit(dec, st.operands[0], lambda r: _full(a(r) + base), dt)
+        return _emit(dec, st.operands[0], lambda r: a(r) - base)
+    return _emit(dec, st.operands[0], lambda r: a(r) + base)
 
 
 def _bfi(dec, st, parts):
@@ -344,13 +355,13 @@ def _bfi(dec, st, parts):
         av = np.asarray(a(r)).astype(np.uint64) << pos.astype(np.uint64)
         bv = np.asarray(b(r)).astype(np.uint64)
         return ((bv & ~mask) | (av & mask)).astype(f"u{dt.itemsize}").view(dt)
-    return _emit(dec, st.operands[0], lambda r: _full(comp(r)), dt.type)
+    return _emit(dec, st.operands[0], comp)
 
 
 def _copysign(dec, st, parts):
     dt = DTYPES[type_of(parts)]
     a, b = dec.src(st.operands[1], dt), dec.src(st.operands[2], dt)
-    return _emit(dec, st.operands[0], lambda r: _full(np.copysign(b(r), a(r))), dt)
+    return _emit(dec, st.operands[0], lambda r: np.copysign(b(r), a(r)))
 
 
 def _rsqrt(dec, st, parts):

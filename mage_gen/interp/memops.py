@@ -70,10 +70,9 @@ def _ld(dec: Decoder, st, parts):
         return fn_param
     wpe = _words_per(dt)
     base, off = dec.address(st.operands[1])
-    uoff = np.uint64(off & 0xFFFFFFFFFFFFFFFF)
 
     def fn(w, mask):
-        addr = np.broadcast_to(base(w.r) + uoff, (LANES,))
+        addr = np.broadcast_to(base(w.r) + off, (LANES,))
         sel = w.active(mask)
         words = w.load(space, addr[sel], n * wpe, sel, what)
         vals = np.ascontiguousarray(words).view(dt)  # (k, n)
@@ -94,12 +93,11 @@ def _st(dec: Decoder, st, parts):
         raise UnknownInstruction(f"{n} sources expected")
     _words_per(dt)
     base, off = dec.address(st.operands[0])
-    uoff = np.uint64(off & 0xFFFFFFFFFFFFFFFF)
     what = f"line {st.line}: {st.text}"
 
     def fn(w, mask):
         r = w.r
-        addr = np.broadcast_to(base(r) + uoff, (LANES,))
+        addr = np.broadcast_to(base(r) + off, (LANES,))
         sel = w.active(mask)
         vals = np.empty((LANES, n), dtype=dt)
         for j, s in enumerate(srcs):
@@ -136,13 +134,12 @@ def _cp_async(dec: Decoder, st, parts):
     dbase, doff = dec.address(st.operands[0])
     sbase, soff = dec.address(st.operands[1])
     src_size = dec.src(st.operands[3], np.uint32) if len(st.operands) > 3 else None
-    udo, uso = np.uint64(doff), np.uint64(soff)
 
     def fn(w, mask):
         r = w.r
         sel = w.active(mask)
-        dst = np.broadcast_to(dbase(r) + udo, (LANES,))[sel]
-        src = np.broadcast_to(sbase(r) + uso, (LANES,))[sel]
+        dst = np.broadcast_to(dbase(r) + doff, (LANES,))[sel]
+        src = np.broadcast_to(sbase(r) + soff, (LANES,))[sel]
         ssz = None if src_size is None else np.broadcast_to(src_size(r), (LANES,))[sel]
         w.cp_issue(dst, src, size, ssz, sel, what)
     return fn

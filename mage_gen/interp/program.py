@@ -180,8 +180,9 @@ class Decoder:
             return [x.strip() for x in text[1:-1].split(",")]
         return [text]
 
-    def address(self, text: str) -> tuple[Callable[[list], Any], int]:
-        """[reg+off] / [sym+off] / [imm]: (getter of the base as u64, constant byte offset)."""
+    def address(self, text: str) -> tuple[Callable[[list], Any], np.uint64]:
+        """[reg+off] / [sym+off] / [imm]: (getter of the base as u64, constant byte offset as u64: a
+        negative offset wraps, as the address arithmetic does)."""
         inner = text.strip()
         if not (inner.startswith("[") and inner.endswith("]")):
             raise UnknownInstruction(f"address operand {text!r} not understood")
@@ -189,7 +190,8 @@ class Decoder:
         m = re.fullmatch(r"([%\w$.]+?)(?:\+(-?(?:0x[0-9a-fA-F]+|\d+)))?", inner)
         if not m:
             raise UnknownInstruction(f"address operand {text!r} not understood")
-        base, off = m.group(1), parse_int(m.group(2)) if m.group(2) else 0
+        base = m.group(1)
+        off = np.uint64((parse_int(m.group(2)) if m.group(2) else 0) & 0xFFFFFFFFFFFFFFFF)
         if base.startswith("%"):
             s = self.slot(base)
             return (lambda r: view(r[s], np.uint64) if r[s].dtype.itemsize == 8 else r[s].astype(np.uint64)), off

@@ -48,6 +48,8 @@ class Warp:
 
     def put_lanes(self, d: int, vals: np.ndarray, m) -> None:
         """Write the values of the active lanes only (vals has one row per active lane)."""
+        if d < 0:  # the sink `_` of a vector load
+            return
         if m is None:
             self.r[d] = vals
         else:
