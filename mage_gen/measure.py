@@ -109,7 +109,12 @@ def check_outputs(op: Op, shape: Any, bound: Bound) -> tuple[float, str]:
     outputs, complaints = bound.outputs()
     if complaints:
         return float("inf"), "; ".join(complaints)
-    reference = op.reference(shape, bound.inputs, op.scalars(shape, bound.run))
+    return compare_outputs(op, outputs, op.reference(shape, bound.inputs, op.scalars(shape, bound.run)))
+
+
+def compare_outputs(op: Op, outputs: dict[str, np.ndarray], reference: dict[str, np.ndarray]) -> tuple[float, str]:
+    """The gate's verdict on outputs, wherever they were computed: (relative error, reason it failed or '');
+    any NaN fails."""
     worst = 0.0
     for name, ref in reference.items():
         out = outputs[name]
