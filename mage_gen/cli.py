@@ -23,7 +23,7 @@ from mage_gen.ops import Op, get_op
 from mage_gen.space import expand, load_space
 from mage_gen.store import check_can_save, load_winner, save_entry
 from mage_gen.timing import Timing
-from mage_gen.tune import TuneResult
+from mage_gen.tune import DEFAULT_TPE_TRIALS, EXHAUSTIVE_LIMIT, TuneResult
 from mage_gen.tune import tune as tune_search
 from mage_gen.variants import Variant, build, build_all
 from mage_gen.worker import IsolatedBackend, gpu_backend
@@ -283,7 +283,8 @@ def tune_command(
     k: Optional[int] = KOpt,
     preset: Optional[str] = typer.Option(None, help="search-space preset from search/<op>.toml (quick, full)"),
     trials: Optional[int] = typer.Option(None, min=1, help="configs the study measures in all, earlier runs "
-                                                           "included (default: all when ≤ 64, else 64)"),
+                                                           f"included (default: all when ≤ {EXHAUSTIVE_LIMIT}, "
+                                                           f"else {DEFAULT_TPE_TRIALS})"),
     objective: str = typer.Option("hot", help="hot (L2-warm, graph replay) or cold (L2 flushed)"),
     storage: Optional[str] = typer.Option(None, help="Optuna storage URL (default: SQLite in the user data folder)"),
     study: Optional[str] = typer.Option(None, help="study name (default: from op, shape, GPU, arch, objective)"),
@@ -316,16 +317,16 @@ def tune_command(
         check_out_dir(out_dir)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, transient=True, disable=not err.is_terminal) as progress:
-        task = progress.add_task("compiling", total=len(valid))
-        build_all(op, shape, valid, target, progress=lambda: progress.advance(task))
         if backend is None:
+            task = progress.add_task("compiling", total=len(valid))
+            build_all(op, shape, valid, target, progress=lambda: progress.advance(task))
             raise NoGpuError(f"compiled and counted {len(valid)} valid variants ({len(rejected)} rejected) for "
                              f"{target}; {no_gpu}")
-        trial_task = progress.add_task("measuring", total=None)
+        trial_task = progress.add_task("compiling", total=None)
+        stages = {"compiling": "compiling", "trials": "measuring", "final": "re-timing finalists"}
 
         def report(stage: str, done: int, total: int) -> None:
-            progress.update(trial_task, description="measuring" if stage == "trials" else "re-timing finalists",
-                            completed=done, total=total)
+            progress.update(trial_task, description=stages[stage], completed=done, total=total)
 
         try:
             result = tune_search(op, shape, run, space, backend, objective=objective, trials=trials,

@@ -10,6 +10,7 @@ beat the runner-up by more than their spread is a tie, broken by fewer registers
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import json
 import random
@@ -28,13 +29,16 @@ from mage_gen.errors import CompileError, ConfigError, MageError
 from mage_gen.ops import Op
 from mage_gen.space import Space, expand
 from mage_gen.timing import Timing
-from mage_gen.variants import Variant, build, build_all
+from mage_gen.variants import Variant, build, prebuild
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)  # the CLI reports progress itself
 
 EXHAUSTIVE_LIMIT = 64
 DEFAULT_TPE_TRIALS = 96
 FINALISTS = 5
+# TPE measures a budget of configs; where the unmeasured are at most this many times the budget, it will
+# try most of them, and compiling them all in parallel first is cheaper than one at a time.
+_PREBUILD_PER_TRIAL = 4
 _STALLS_BEFORE_FILL = 3  # proposals in a row that measure nothing before an unmeasured config is enqueued
 _ASK_LIMIT = 50  # proposals per config of budget: past it the study is broken (waiting trials piling up)
 
@@ -150,7 +154,8 @@ def tune(op: Op, shape: Any, run: dict[str, int], space: Space, backend: Backend
     valid, rejected = expand(op, shape, space)
     if not valid:
         raise ConfigError(f"space: no config of preset {space.preset} is valid for {op.name} {vars(shape)}; "
-                          f"first rejection: {rejected[0][1] if rejected else 'none'}")
+                          f"first rejection: {rejected[0][1] if rejected else 'none'}; a wider preset "
+                          "(--preset full) may hold some")
     exhaustive = len(valid) <= EXHAUSTIVE_LIMIT
     budget = min(trials or (len(valid) if exhaustive else DEFAULT_TPE_TRIALS), len(valid))  # configs in all
     sampler = optuna.samplers.TPESampler(seed=seed) if not exhaustive else optuna.samplers.RandomSampler(seed=seed)
@@ -166,18 +171,25 @@ def tune(op: Op, shape: Any, run: dict[str, int], space: Space, backend: Backend
     distributions = {axis: optuna.distributions.CategoricalDistribution(values) for axis, values in space.axes}
 
     valid_keys = {params_key(op, p): p for p in valid}
-    hashes = {k: op.source(shape, p).template_hash for k, p in valid_keys.items()}
+
+    @functools.cache
+    def template_hash(key: str) -> str:  # rendered only for configs a trial or an earlier run touches
+        return op.source(shape, valid_keys[key]).template_hash
+
     done: dict[str, Outcome] = {}
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)):
         key = t.user_attrs.get("params_key")
         # A result measured from another template version is stale: that config is measured again.
-        if key in valid_keys and t.user_attrs.get("template_hash") == hashes[key]:
+        if key in valid_keys and t.user_attrs.get("template_hash") == template_hash(key):
             done.setdefault(key, Outcome.of(t))
     from_earlier_runs = len(done)
     unmeasured = [k for k in valid_keys if k not in done]
-    if exhaustive:
-        # Compile what will be measured up front, in parallel; each trial then finds it in the cache.
-        build_all(op, shape, [valid_keys[k] for k in unmeasured[:budget - len(done)]], backend.arch)
+    # Compile in parallel, up front, what the search will measure (all of it when exhaustive; every unmeasured
+    # config where TPE will try most of them); each trial then finds its variant in the cache.
+    ahead = unmeasured[:budget - len(done)] if exhaustive else (
+        unmeasured if len(unmeasured) <= _PREBUILD_PER_TRIAL * (budget - len(done)) else [])
+    prebuild(op, shape, [valid_keys[k] for k in ahead], backend.arch,
+             progress=(lambda i, n: progress("compiling", i, n)) if progress else None)
     fill = random.Random(seed)
 
     measured = stalls = asks = 0
@@ -215,7 +227,7 @@ def tune(op: Op, shape: Any, run: dict[str, int], space: Space, backend: Backend
             stalls += 1
             continue
         trial.set_user_attr("params_key", key)
-        trial.set_user_attr("template_hash", hashes[key])
+        trial.set_user_attr("template_hash", template_hash(key))
         value, kernel, reason = _measure(op, shape, params, backend, trial, objective)
         if value is None:
             study.tell(trial, state=optuna.trial.TrialState.FAIL)

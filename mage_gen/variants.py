@@ -10,6 +10,7 @@ from typing import Any
 
 from mage_gen.census import Census, take_census
 from mage_gen.compile import Compiled, check_arch, compile_source
+from mage_gen.errors import CompileError, ConfigError
 from mage_gen.ops import Op
 from mage_gen.render import Source
 
@@ -55,3 +56,29 @@ def build_all(op: Op, shape: Any, params_list: Sequence[Any], arch: str,
             if progress:
                 progress()
         return results
+
+
+def _compile_one(job: tuple[str, Any, Any, str]) -> bool:
+    try:
+        _build_one(job)
+    except (CompileError, ConfigError):
+        return False
+    return True
+
+
+def prebuild(op: Op, shape: Any, params_list: Sequence[Any], arch: str,
+             progress: Callable[[int, int], None] | None = None) -> int:
+    """Compile every variant into the cache in parallel and keep nothing: each is built again, from the
+    cache, where it is used. A config that fails to render or compile is left for its user to report (a
+    tuning trial fails alone); returns how many compiled."""
+    check_arch(arch)
+    jobs = [(op.name, shape, p, arch) for p in params_list]
+    if not jobs:
+        return 0
+    compiled = 0
+    with ProcessPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1)) as pool:
+        for done, ok in enumerate(pool.map(_compile_one, jobs, chunksize=4), 1):
+            compiled += ok
+            if progress:
+                progress(done, len(jobs))
+    return compiled

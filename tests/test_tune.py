@@ -20,7 +20,7 @@ from pathlib import Path
 import optuna
 import pytest
 
-from mage_gen import tune as tune_module
+from mage_gen import variants as variants_module
 from mage_gen.backends import ReplayBackend
 from mage_gen.errors import CompileError, ConfigError, MageError
 from mage_gen.ops import get_op
@@ -294,14 +294,15 @@ def test_failed_gate_is_a_failed_trial_with_its_reason_never_a_finalist(recordin
 def test_failed_compile_is_a_failed_trial_that_never_reaches_the_backend(recording_path, small, tmp_path, monkeypatch):
     valid, _ = expand(OP, SHAPE, small)
     doomed = kernels(valid)[1]
-    real_build = tune_module.build
+    real_compile = variants_module.compile_source
 
-    def build(op, shape, params, arch):
-        if op.kernel_name(shape, params) == doomed:
+    def compile_source(source, arch, *args, **kwargs):
+        if source.kernel_name == doomed:
             raise CompileError("nvrtc: error: something the template got wrong\nline 12: more of the log")
-        return real_build(op, shape, params, arch)
+        return real_compile(source, arch, *args, **kwargs)
 
-    monkeypatch.setattr(tune_module, "build", build)
+    # At the compiler, so that the parallel prebuild (forked workers) meets the failure as the trial does.
+    monkeypatch.setattr(variants_module, "compile_source", compile_source)
     backend = Recorder(recording_path)
     result = run_tune(backend, small, tmp_path, study_name="compile")
     assert result.failed[doomed] == "compile: nvrtc: error: something the template got wrong"
