@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -25,7 +25,7 @@ class Backend(Protocol):
 
     def close(self) -> None: ...
 
-    def final(self, variants: Sequence[Any], progress: Callable[[], None] | None = None
+    def final(self, variants: Sequence[Any]
               ) -> tuple[dict[str, dict[str, Timing]], dict[str, dict[str, Any]], dict[str, str]]:
         """Re-gate the finalists and time them interleaved with the peers, hot and cold.
         Returns ({kernel or peer name: {'hot': Timing, 'cold': Timing}}, {peer: config}, {name: why dropped})."""
@@ -45,7 +45,7 @@ class GpuBackend:
     def close(self) -> None:
         pass  # the context is the process's; it goes with it
 
-    def final(self, variants, progress=None):
+    def final(self, variants):
         subjects, kernels, dropped = [], [], {}
         try:
             for v in variants:
@@ -56,12 +56,14 @@ class GpuBackend:
                     subjects.append(self.bench.subject(v, kernel))
                 else:
                     dropped[v.source.kernel_name] = result.reason
-            inputs = self.op.make_inputs(self.shape, self.run, self.bench.rng)
+            if not subjects:  # nothing left to compare the peers with
+                return {}, {}, dropped
+            inputs = self.bench.timing_inputs()  # the finalists' own
             reference = self.op.reference(self.shape, inputs, self.op.scalars(self.shape, self.run))
             peers, missing = make_peers(self.op, self.shape, self.run, inputs, reference)
             everyone = [*subjects, *peers]
-            hot = interleave(everyone, "hot", FINAL_ROUNDS, FINAL_PER_ROUND, progress)
-            cold = interleave(everyone, "cold", FINAL_ROUNDS, FINAL_PER_ROUND, progress)
+            hot = interleave(everyone, "hot", FINAL_ROUNDS, FINAL_PER_ROUND)
+            cold = interleave(everyone, "cold", FINAL_ROUNDS, FINAL_PER_ROUND)
             timings = {s.name: {"hot": hot[s.name], "cold": cold[s.name]} for s in everyone}
             return timings, {p.name: p.config for p in peers}, {**dropped, **missing}
         finally:
@@ -109,7 +111,7 @@ class ReplayBackend:
                           Timing.from_dict(r["hot"]) if r["hot"] else None,
                           Timing.from_dict(r["cold"]) if r["cold"] else None)
 
-    def final(self, variants, progress=None):
+    def final(self, variants):
         timings, dropped = {}, {}
         for v in variants:
             r = self._record(v)

@@ -154,6 +154,10 @@ class EventPair:
         _check(cu.cuEventSynchronize(self.end), "cuEventSynchronize")
         return float(_check(cu.cuEventElapsedTime(self.begin, self.end), "cuEventElapsedTime")) * 1000.0
 
+    def destroy(self) -> None:
+        for event in (self.begin, self.end):
+            _check(cu.cuEventDestroy(event), "cuEventDestroy")
+
 
 def synchronize() -> None:
     _check(cu.cuCtxSynchronize(), "cuCtxSynchronize")

@@ -9,7 +9,7 @@ Cold: the L2 flushed by writing a buffer several times its size before each time
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any, Protocol
@@ -209,19 +209,17 @@ class KernelSubject:
         if self._graph is not None:
             self._graph.destroy()
             self._graph = None
+        self.events.destroy()  # the worker process lives for many trials
         self.bound.free()
 
 
-def interleave(subjects: Sequence[Subject], method: str, rounds: int, per_round: int,
-               progress: Callable[[], None] | None = None) -> dict[str, Timing]:
+def interleave(subjects: Sequence[Subject], method: str, rounds: int, per_round: int) -> dict[str, Timing]:
     """Round-robin sampling, so drift in clocks or temperature falls on every subject alike."""
     samples: dict[str, list[float]] = {s.name: [] for s in subjects}
     for _ in range(rounds):
         for subject in subjects:
             take = subject.hot if method == "hot" else subject.cold
             samples[subject.name].extend(take(per_round))
-            if progress:
-                progress()
     return {name: Timing.from_samples(method, values) for name, values in samples.items()}
 
 
@@ -252,11 +250,14 @@ class Bench:
         launch = self.op.geometry(self.shape, variant.params, self.run)
         return gpu.Kernel(variant.compiled.cubin, variant.source.kernel_name, launch.dynamic_shared_bytes)
 
-    def subject(self, variant: Any, kernel: gpu.Kernel, name: str | None = None) -> KernelSubject:
-        # Every variant is timed on the same inputs (the gate draws fresh ones for every check).
+    def timing_inputs(self) -> dict[str, np.ndarray]:
+        """The inputs every variant (and peer) is timed on; the gate draws fresh ones for every check."""
         if self._timing_inputs is None:
             self._timing_inputs = self.op.make_inputs(self.shape, self.run, self.rng)
-        bound = Bound(self.op, self.shape, variant.params, kernel, self.run, self._timing_inputs)
+        return self._timing_inputs
+
+    def subject(self, variant: Any, kernel: gpu.Kernel, name: str | None = None) -> KernelSubject:
+        bound = Bound(self.op, self.shape, variant.params, kernel, self.run, self.timing_inputs())
         return KernelSubject(name or variant.source.kernel_name, bound, self.stream)
 
     def evaluate(self, variant: Any, hot_replays: int = 10, cold_count: int = 10) -> Evaluation:

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from mage_gen.measure import FLUSH_BYTES, HOT_LAUNCHES_PER_GRAPH, interleave, relative_error
+from mage_gen.measure import FLUSH_BYTES, HOT_LAUNCHES_PER_GRAPH, compare_outputs, interleave
 from mage_gen.ops import Op
 
 try:
@@ -139,10 +139,11 @@ def _layernorm_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float)
     candidates = {"torch": [TorchSubject(
         "torch", lambda: torch.nn.functional.layer_norm(x, (d,), w, b, eps), {"fn": "F.layer_norm"})]}
     if triton is not None:
-        y = torch.empty_like(x)
         block = triton.next_power_of_2(d)
 
         def triton_run(warps: int) -> Callable[[], Any]:
+            y = torch.full_like(x, float("nan"))  # one per candidate, NaN until written, as for matmul
+
             def go():
                 _triton_layernorm[(m,)](x, y, w, b, d, eps, BLOCK=block, num_warps=warps)
                 return y
@@ -210,14 +211,13 @@ def make_peers(op: Op, shape: Any, run: dict[str, int], inputs: dict[str, np.nda
         for subject in subjects:
             out = subject.run()
             torch.cuda.synchronize()
-            got = out.detach().cpu().numpy()
-            ref = next(iter(reference.values()))
-            err = relative_error(got, ref) if not np.isnan(got).any() else float("inf")
-            if err <= op.tolerance:
+            (name, ref), = reference.items()  # every op here has one output
+            err, reason = compare_outputs(op, {name: out.detach().cpu().numpy()}, {name: ref})
+            if not reason:
                 subject.config["gate_error"] = err
                 passing.append(subject)
             else:
-                missing[subject.name] = f"failed the gate: relative error {err:.3g}"
+                missing[subject.name] = f"failed the gate: {reason}"
         if not passing:
             continue
         if len(passing) > 1:

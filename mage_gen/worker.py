@@ -129,7 +129,7 @@ class IsolatedBackend:
         restarted = "" if kind == "error" else "; the worker was restarted"
         return Evaluation(GateResult(False, f"worker: {payload}{restarted}", float("inf")))
 
-    def final(self, variants: Sequence[Any], progress: Callable[[], None] | None = None):
+    def final(self, variants: Sequence[Any]):
         # Peers compile and every finalist is re-gated here: give it the first-call allowance, at least.
         kind, payload = self._call("final", (list(variants),), max(self._first_timeout_s, 20 * self.timeout_s()))
         if kind != "ok":

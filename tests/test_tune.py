@@ -126,9 +126,9 @@ class Recorder(ReplayBackend):
         super().__init__(path)
         self.finalists: list[str] = []
 
-    def final(self, variants, progress=None):
+    def final(self, variants):
         self.finalists = [v.source.kernel_name for v in variants]
-        return super().final(variants, progress)
+        return super().final(variants)
 
 
 def sqlite(folder: Path) -> str:
