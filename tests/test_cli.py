@@ -59,6 +59,7 @@ def test_variants_json_lists_only_valid_configs():
     (["inspect", "layernorm"], "needs --d"),
     (["inspect", "softmax", "--d", "768"], "unknown op"),
     (["inspect", "layernorm", "--d", "768", "--config", "warp_size=7"], "unknown layernorm parameter"),
+    (["inspect", "layernorm", "--d", "768", "--m", "2147483647"], "m-range"),
     (["variants", "layernorm", "--d", "768", "--preset", "huge"], "unknown preset"),
     (["variants", "layernorm", "--d", "768", "--arch", "sm_10"], "arch"),
 ])
@@ -87,6 +88,8 @@ def test_inspect_matmul_seed_shows_its_pipeline():
     (["inspect", "matmul", "--m", "64", "--n", "62", "--k", "64"], "divisibility"),
     (["inspect", "matmul", "--m", "0", "--n", "64", "--k", "64"], "m-range"),
     (["variants", "matmul", "--m", "64", "--n", "64", "--k", "64", "--preset", "huge"], "unknown preset"),
+    (["inspect", "matmul", "--m", "64", "--n", "64", "--k", "64", "--config", "buffers=true"],
+     "params: matmul buffers is a whole number, got True"),
 ])
 def test_bad_matmul_input_is_one_line_exit_2(args, says):
     done = mage_gen(*args)

@@ -12,20 +12,25 @@ from mage_gen.render import Source
 
 
 def params_from(params_type: type, op_name: str, values: dict[str, Any], hidden: frozenset[str] = frozenset()) -> Any:
-    """An op's frozen Params from a dict (a search space, --config, tuned/), naming unknown keys."""
-    known = {f.name for f in fields(params_type)}
-    unknown = sorted(set(values) - known)
+    """An op's frozen Params from a dict (a search space, --config, tuned/), naming unknown keys and refusing
+    true/false for a whole-number field (Python would take them as 1 and 0)."""
+    defaults = {f.name: f.default for f in fields(params_type)}
+    unknown = sorted(set(values) - set(defaults))
     if unknown:
-        raise ConfigError(f"params: unknown {op_name} parameter(s) {unknown}; known: {sorted(known - hidden)}")
+        raise ConfigError(f"params: unknown {op_name} parameter(s) {unknown}; known: {sorted(set(defaults) - hidden)}")
+    for name, value in values.items():
+        if isinstance(value, bool) and isinstance(defaults[name], int) and not isinstance(defaults[name], bool):
+            raise ConfigError(f"params: {op_name} {name} is a whole number, got {value!r}")
     return params_type(**values)
 
 
-def params_dict(params: Any) -> dict[str, Any]:
-    """Params as a plain dict; a planted bug's empty switch is left out: it belongs to no search space
-    and no stored winner."""
+def params_dict(params: Any, hidden: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """Params as a plain dict; a hidden field (a test-only switch) is left out while at its default: it
+    belongs to no search space and no stored winner."""
     values = asdict(params)
-    if not values.get("plant", True):
-        del values["plant"]
+    for f in fields(params):
+        if f.name in hidden and values[f.name] == f.default:
+            del values[f.name]
     return values
 
 
@@ -81,3 +86,5 @@ class Op(Protocol):
     def launch_formula(self, shape: Any, params: Any) -> dict[str, Any]: ...
     def slug(self, shape: Any) -> str: ...
     def shape_key(self, shape: Any) -> str: ...
+    def kernel_name(self, shape: Any, params: Any) -> str: ...
+    def bytes_moved(self, shape: Any, run: dict[str, int]) -> int: ...

@@ -24,6 +24,8 @@ RSQRT_MODES = ("approx", "exact")
 STATS = ("two_pass", "one_pass")
 HINTS = ("none", "nc", "stream")
 MAX_D = 1 << 20
+# The kernels count rows and row groups in int: (M + R - 1) / R and a group's last row must not overflow.
+MAX_ROWS = 2**31 - 1024
 MAX_VALUES_PER_THREAD = 64  # floats of one row a thread may hold; beyond it ptxas starts to spill
 _REGISTERS_PER_VALUE = {1: 5.0, 2: 3.5, 4: 2.25}
 _TEMPLATE_FILES = {"row": "layernorm/resident.cu.j2", "multirow": "layernorm/resident.cu.j2",
@@ -111,8 +113,8 @@ class LayerNorm:
         if not isinstance(p.grid_cap, int) or p.grid_cap < 0:
             raise ConfigError(f"grid-cap: grid_cap is 0 (a block per row group) or a block count, got {p.grid_cap!r}")
         if p.template == "wide" and (p.grid_cap or p.stats != "two_pass"):
-            raise ConfigError("wide-options: template wide takes neither grid_cap nor stats; it always merges "
-                              "with Chan's formula, one block per row")
+            raise ConfigError("wide-options: template wide takes no grid_cap and leaves stats at its default "
+                              "(two_pass): it always merges with Chan's formula, one block per row")
         r = p.rows_per_block
         if p.template == "multirow":
             if not isinstance(r, int) or r < 2:
@@ -154,7 +156,7 @@ class LayerNorm:
         x_hint, y_hint, wb_hint = _HINT_SUFFIXES[p.hint]
         return dict(
             D=d, T=t, V=v, R=r, W=t // 32, BLOCK=t * r, NVEC=nvec, S=self._slots(shape, p),
-            FULL_SLOTS=nvec // t, PARTIAL_SLOT=nvec % t != 0, PEEL=d % v != 0,
+            FULL_SLOTS=nvec // t, PEEL=d % v != 0,
             GUARD_ROWS=r > 1 or p.grid_cap > 0, PERSISTENT=p.grid_cap > 0, STATS=p.stats,
             INV_D=f"{1.0 / d:.9e}f", RSQRT=p.rsqrt,
             X_HINT=x_hint, Y_HINT=y_hint, WB_HINT=wb_hint,
@@ -200,8 +202,8 @@ class LayerNorm:
 
     def check_run(self, run: dict[str, int]) -> None:
         m = run.get("m")
-        if not isinstance(m, int) or not 1 <= m < 2**31:
-            raise ConfigError(f"m-range: rows at launch must be 1..2^31-1, got {m!r}")
+        if not isinstance(m, int) or isinstance(m, bool) or not 1 <= m <= MAX_ROWS:
+            raise ConfigError(f"m-range: rows at launch must be 1..{MAX_ROWS}, got {m!r}")
 
     def scalars(self, shape: Shape, run: dict[str, int]) -> dict[str, int | float]:
         return {"M": run["m"], "eps": self.eps}
