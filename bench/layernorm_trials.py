@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from mage_gen.measure import Bench, interleave
 from mage_gen.ops import get_op
 from mage_gen.peers import make_peers
 from mage_gen.space import expand, load_space
-from mage_gen.store import gpu_slug
+from mage_gen.store import gpu_slug, write_atomic
 from mage_gen.variants import build_all
 
 
@@ -69,9 +68,7 @@ def main() -> None:
     }
     out = args.out or Path("bench/results") / gpu_slug(device.name) / f"layernorm_trials_d{args.d}_m{args.m}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=1))
-    os.replace(tmp, out)
+    write_atomic(out, json.dumps(doc, indent=1).encode())
     passed = [r for r in records if r["hot"]]
     best = sorted(passed, key=lambda r: r["hot"]["median_us"])[:8]
     print(f"\n{len(passed)}/{len(records)} variants passed the gate; compile {compile_s:.1f}s")
