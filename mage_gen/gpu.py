@@ -155,8 +155,11 @@ class EventPair:
         return float(_check(cu.cuEventElapsedTime(self.begin, self.end), "cuEventElapsedTime")) * 1000.0
 
     def destroy(self) -> None:
-        for event in (self.begin, self.end):
-            _check(cu.cuEventDestroy(event), "cuEventDestroy")
+        """Idempotent: a second call does nothing."""
+        events, self.begin, self.end = (self.begin, self.end), None, None
+        for event in events:
+            if event is not None:
+                _check(cu.cuEventDestroy(event), "cuEventDestroy")
 
 
 def synchronize() -> None:
