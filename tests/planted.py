@@ -120,6 +120,8 @@ FAULTS = {
     # memory, so ptxas refuses this before any launch could
     "too_much_shared_memory": Fault(PARAMS, lambda text: _at_entry(text, _HOARD_SHARED), refused_at_compile=True),
 }
+LAUNCHED = sorted(name for name, fault in FAULTS.items() if not fault.refused_at_compile)
+REFUSED_AT_COMPILE = sorted(name for name, fault in FAULTS.items() if fault.refused_at_compile)
 
 
 def _at_entry(text: str, code: str) -> str:

@@ -83,29 +83,21 @@ def test_each_planted_pipeline_bug_is_caught_on_the_cpu(dims, bug):
         assert re.search(r"relative error|NaN|cp\.async|race", result.reason), result.reason
 
 
-def test_a_weakened_wait_in_a_matmul_is_reported_as_a_stale_read():
+@pytest.mark.parametrize("params, wait, barriers", [
+    (MmParams(bm=32, bn=64, bk=8, tm=4, tn=4, buffers=2), 1, 3),  # two barriers per K tile: wait_group(1)
+    (MmParams(bm=32, bn=64, bk=8, tm=4, tn=4, buffers=2, sync="one"), 0, 2),  # one: wait_group(buffers - 2)
+    (MmParams(bm=32, bn=64, bk=8, tm=4, tn=4, buffers=3, sync="one"), 1, 2),
+])
+def test_a_matmul_passes_and_one_wait_less_is_reported_as_a_stale_read(params, wait, barriers):
     shape = MM.shape(m=64, n=64, k=64)
-    params = next(p for p in mm_valid(64, 64, 64) if p.buffers == 2)
-    variant = build(MM, shape, params, "sm_90")
-    assert "cp.async.wait_group 1;" in variant.compiled.ptx
-    weak = variant.compiled.ptx.replace("cp.async.wait_group 1;", "cp.async.wait_group 2;")
-    broken = dataclasses.replace(variant, compiled=dataclasses.replace(variant.compiled, ptx=weak))
-    with pytest.raises(interp.StaleReadError, match=r"reads shared address 0x[0-9a-f]+ while a cp\.async of thread"):
-        interp.run_once(MM, shape, broken, {}, np.random.default_rng(0))
-
-
-@pytest.mark.parametrize("buffers", [2, 3])
-def test_one_barrier_per_k_tile_passes_and_one_wait_less_is_a_stale_read(buffers):
-    shape = MM.shape(m=64, n=64, k=64)
-    params = MmParams(bm=32, bn=64, bk=8, tm=4, tn=4, buffers=buffers, sync="one")
     variant = build(MM, shape, params, "sm_90")
     assert interp.gate(MM, shape, variant, {}, np.random.default_rng(0)).passed
-    wait = f"cp.async.wait_group {buffers - 2};"
-    assert wait in variant.compiled.ptx and variant.compiled.ptx.count("bar.sync 0;") == 2
-    # The main loop's wait comes first in the PTX (with 2 buffers the drain's is also wait_group 0).
-    weak = variant.compiled.ptx.replace(wait, f"cp.async.wait_group {buffers - 1};", 1)
+    ptx = variant.compiled.ptx
+    assert f"cp.async.wait_group {wait};" in ptx and ptx.count("bar.sync 0;") == barriers
+    # The main loop's wait comes first in the PTX (with 2 buffers and one barrier the drain's is also 0).
+    weak = ptx.replace(f"cp.async.wait_group {wait};", f"cp.async.wait_group {wait + 1};", 1)
     broken = dataclasses.replace(variant, compiled=dataclasses.replace(variant.compiled, ptx=weak))
-    with pytest.raises(interp.StaleReadError, match=r"while a cp\.async of thread"):
+    with pytest.raises(interp.StaleReadError, match=r"reads shared address 0x[0-9a-f]+ while a cp\.async of thread"):
         interp.run_once(MM, shape, broken, {}, np.random.default_rng(0))
 
 
@@ -122,31 +114,6 @@ def test_a_deleted_barrier_is_reported_as_a_race():
                                                r"thread \(\d+,0,0\) of block \(0,0,0\) reads bytes that "
                                                r"thread \(\d+,0,0\) of block \(0,0,0\) wrote"):
         interp.worst_error(LN, shape, broken, {"m": 2}, np.random.default_rng(0), runs=[{"m": 2}])
-
-
-@pytest.mark.parametrize("d, params, m, budget_s", [
-    (1024, LnParams(template="row", threads=128, vector=4), 3, 2.0),
-    (1024, LnParams(template="wide", threads=256, vector=4), 3, 2.0),
-])
-def test_layernorm_speed(d, params, m, budget_s):
-    import time
-    shape = LN.shape(d=d)
-    variant = build(LN, shape, params, "sm_90")
-    start = time.perf_counter()
-    interp.run_once(LN, shape, variant, {"m": m}, np.random.default_rng(0))
-    assert time.perf_counter() - start < budget_s
-
-
-def test_matmul_speed():
-    import time
-    shape = MM.shape(m=64, n=64, k=64)
-    slowest = 0.0
-    for params in (mm_valid(64, 64, 64)[0], mm_valid(64, 64, 64)[-1]):
-        variant = build(MM, shape, params, "sm_90")
-        start = time.perf_counter()
-        interp.run_once(MM, shape, variant, {}, np.random.default_rng(0))
-        slowest = max(slowest, time.perf_counter() - start)
-    assert slowest < 5.0
 
 
 # ---- hand-written PTX ----
@@ -504,13 +471,13 @@ def test_fma_matches_exact_rounding_on_random_operands():
         assert abs(Fraction(float(r[i])) - exact) <= abs(Fraction(float(down)) - exact)
 
 
-def test_relative_error_helper_is_the_gates():
-    # the helper compares with measure.relative_error, the gate's own measure
+def test_worst_error_is_the_gates_relative_error():
     shape = LN.shape(d=64)
     variant = build(LN, shape, LnParams(template="row", threads=32, vector=2), "sm_90")
     result = interp.run_once(LN, shape, variant, {"m": 2}, np.random.default_rng(3))
-    err = relative_error(result["outputs"]["y"], result["reference"]["y"])
-    assert err <= LN.tolerance
+    err = relative_error(result["outputs"]["y"], result["reference"]["y"])  # measure's, as the GPU gate uses
+    assert 0 < err <= LN.tolerance
+    assert interp.worst_error(LN, shape, variant, {"m": 2}, np.random.default_rng(3), runs=[{"m": 2}]) == err
 
 
 def one_instruction(instr: str, a: np.ndarray, b: np.ndarray, out_dtype) -> np.ndarray:

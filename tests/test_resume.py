@@ -25,13 +25,32 @@ KEY = "d=768/float32"
 FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
 
 
-def start(tmp_path: Path, db: Path, trials: int, study: str | None = None, seed: int = 0) -> subprocess.Popen:
-    args = [sys.executable, "-m", "mage_gen", "tune", "layernorm", "--d", "768", "--replay", str(RECORDING),
+# The command with os.replace wrapped to SIGKILL the process at a named point of writing the winner or the
+# emitted kernel: a kill there is certain, not a race against the clock.
+KILL_AT = """
+import os, runpy, signal, sys
+moment, real_replace = os.environ["KILL_AT"], os.replace
+def replace(src, dst, *args, **kwargs):
+    name = os.path.basename(str(dst))
+    if moment == "before-rename" and name == "layernorm.json":
+        os.kill(os.getpid(), signal.SIGKILL)
+    real_replace(src, dst, *args, **kwargs)
+    if (moment == "after-rename" and name == "layernorm.json") or (moment == "emitting" and name.endswith(".cu")):
+        os.kill(os.getpid(), signal.SIGKILL)
+os.replace = replace
+runpy.run_module("mage_gen", run_name="__main__")
+"""
+
+
+def start(tmp_path: Path, db: Path, trials: int, study: str | None = None, seed: int = 0,
+          kill_at: str | None = None) -> subprocess.Popen:
+    command = ["-c", KILL_AT] if kill_at else ["-m", "mage_gen"]
+    args = [sys.executable, *command, "tune", "layernorm", "--d", "768", "--replay", str(RECORDING),
             "--storage", f"sqlite:///{db}", "--trials", str(trials), "--out", str(tmp_path / "k"),
             "--seed", str(seed), *(["--study", study] if study else [])]
     # MAGE_GEN_CACHE stays the session's; nothing else may leave tmp_path.
     env = {**os.environ, "MAGE_GEN_TUNED": str(tmp_path / "tuned"), "XDG_DATA_HOME": str(tmp_path / "data"),
-           "CUDA_VISIBLE_DEVICES": ""}
+           "CUDA_VISIBLE_DEVICES": "", **({"KILL_AT": kill_at} if kill_at else {})}
     log = (tmp_path / f"{db.stem}.log").open("ab")
     return subprocess.Popen(args, env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
 
@@ -103,7 +122,12 @@ def test_killed_mid_study_then_rerun_loses_nothing_and_measures_nothing_twice(tm
     assert launch["kernel"] == entry["kernel"] and launch["provenance"]["date"] == entry["date"]
 
 
-@pytest.mark.parametrize("moment", ["starting", "mid-search", "budget-reached", "final-round", "storing", "emitting"])
+# moment -> the study whose winner the file must hold after the kill
+KILLS = {"starting": "first", "mid-search": "first", "before-rename": "first", "after-rename": "again",
+         "emitting": "again"}
+
+
+@pytest.mark.parametrize("moment", list(KILLS))
 def test_winner_file_is_old_or_new_never_partial_whatever_the_kill(tmp_path, moment):
     done = start(tmp_path, tmp_path / "first.db", trials=4, study="first", seed=1)
     assert done.wait(timeout=120) == 0, (tmp_path / "first.log").read_text()
@@ -113,18 +137,18 @@ def test_winner_file_is_old_or_new_never_partial_whatever_the_kill(tmp_path, mom
 
     # Another study of the same shape measures again and then replaces the entry, unless it is killed first.
     db = tmp_path / "again.db"
-    again = start(tmp_path, db, trials=6, study="again", seed=2)
+    injected = moment not in ("starting", "mid-search")
+    again = start(tmp_path, db, trials=6, study="again", seed=2, kill_at=moment if injected else None)
     try:
         if moment == "starting":
             time.sleep(0.5)
         elif moment == "mid-search":
             wait_for(again, db, at_least=3)
         else:
-            # Budget met: what is left is the final round, the tuned/ write and the emitted files.
-            wait_for(again, db, at_least=6)
-            time.sleep({"budget-reached": 0.0, "final-round": 0.02, "storing": 0.05, "emitting": 0.15}[moment])
+            again.wait(timeout=120)  # it kills itself at the moment
     finally:
         kill(again)
+    assert again.returncode == -signal.SIGKILL, (tmp_path / "again.log").read_text()
 
     doc = json.loads(tuned.read_text())  # whole JSON: the old file or the new one
     entry = load_entry("layernorm", H200, KEY, directory=tmp_path / "tuned")  # and a complete entry
@@ -132,3 +156,4 @@ def test_winner_file_is_old_or_new_never_partial_whatever_the_kill(tmp_path, mom
     if entry["study"] == "first":
         assert tuned.read_bytes() == old
     assert list(doc["entries"]) == [KEY]
+    assert entry["study"] == KILLS[moment]
