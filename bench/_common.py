@@ -14,6 +14,7 @@ import torch
 from mage_gen import __version__
 from mage_gen.compile import nvrtc_version
 from mage_gen.errors import StoreError
+from mage_gen.measure import FLUSH_BYTES, HOT_LAUNCHES_PER_GRAPH
 from mage_gen.store import gpu_slug, load_winner, write_atomic
 
 TUNE_OUT = "/tmp/mage-gen-bench-kernels"
@@ -32,6 +33,14 @@ def winner_params(op, shape, device, tune_missing: bool, tune_flags: list[str]):
 
 def geomean(values: list[float]) -> float | None:
     return math.exp(sum(map(math.log, values)) / len(values)) if values else None
+
+
+def timing_method(rounds: int, per_round: int) -> dict[str, str]:
+    """How a bench's hot and cold figures were taken, from the constants that took them."""
+    return {"hot": f"{HOT_LAUNCHES_PER_GRAPH} launches per CUDA graph, {rounds} rounds × {per_round} replays "
+                   "interleaved with the peers, median per launch, spread = interquartile range",
+            "cold": f"{FLUSH_BYTES >> 20} MB written before each launch, {rounds} rounds × {per_round} launches "
+                    "interleaved"}
 
 
 def provenance(device) -> dict:

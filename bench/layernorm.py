@@ -27,7 +27,7 @@ from mage_gen.peers import TorchSubject, make_peers
 from mage_gen.timing import Timing
 from mage_gen.variants import build
 
-from _common import geomean, provenance, winner_params, write_result  # bench/_common.py, beside this script
+from _common import geomean, provenance, timing_method, winner_params, write_result  # bench/_common.py, beside this script
 
 SHAPES = [(4096, 768), (4096, 1024), (4096, 2048), (4096, 4096), (4096, 8192), (65536, 768), (32768, 4096)]
 ROUNDS, PER_ROUND = 5, 6
@@ -124,11 +124,9 @@ def main() -> None:
     doc = {
         "what": "tuned mage-gen layer norm vs torch and Triton (best num_warps), fp32, recorded by bench/layernorm.py",
         "method": {
-            "gate": "fresh inputs, NaN-poisoned fenced output, rows 1, 37 and M, relative norm vs float64 ≤ 1e-5; "
-                    "peers gated on the timing inputs",
-            "hot": f"20 launches per CUDA graph, {ROUNDS} rounds × {PER_ROUND} replays interleaved with the peers, "
-                   "median per launch, spread = interquartile range",
-            "cold": f"256 MB written before each launch, {ROUNDS} rounds × {PER_ROUND} launches interleaved",
+            "gate": f"fresh inputs, NaN-poisoned fenced output, rows 1, 37 and M, relative norm vs float64 ≤ "
+                    f"{op.tolerance:g}; peers gated on the timing inputs",
+            **timing_method(ROUNDS, PER_ROUND),
             "copy_bandwidth": "torch device-to-device copy of 2 GiB, (read + write bytes) / time, median of 10",
             "bandwidth_fraction": "bytes a layer norm must move (x read, y written once) / copy bandwidth / time",
             "floors": "timed like the kernels, interleaved with them: floor:copy is torch's y.copy_(x) for the "

@@ -23,7 +23,7 @@ from mage_gen.ops import get_op
 from mage_gen.peers import make_peers
 from mage_gen.variants import build
 
-from _common import geomean, provenance, winner_params, write_result  # bench/_common.py, beside this script
+from _common import geomean, provenance, timing_method, winner_params, write_result  # bench/_common.py, beside this script
 
 SHAPES = [(1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (1000, 1000, 1000), (4096, 512, 1024)]
 ROUNDS, PER_ROUND = 5, 6
@@ -123,9 +123,7 @@ def main() -> None:
         "method": {
             "gate": f"fresh inputs, NaN-poisoned fenced output, one run (every size is fixed at generation), "
                     f"relative norm vs float64 ≤ {op.tolerance:g}; peers gated on the timing inputs",
-            "hot": f"20 launches per CUDA graph, {ROUNDS} rounds × {PER_ROUND} replays interleaved with the peers, "
-                   "median per launch, spread = interquartile range",
-            "cold": f"256 MB written before each launch, {ROUNDS} rounds × {PER_ROUND} launches interleaved",
+            **timing_method(ROUNDS, PER_ROUND),
             "error": "max |C − C64| and ‖C − C64‖ / ‖C64‖ on the timing inputs, C64 their float64 product; "
                      "mage-gen's C as its last timed launch left it, each peer's from one more run",
             "tflops": "2·M·N·K / median",
