@@ -11,6 +11,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 from mage_gen.compile import Compiled
+from mage_gen.errors import CompileError
 
 _WIDTHS = {"v2": "v2", "v4": "v4", "v8": "v8"}
 _RESOURCE_PATTERNS = {
@@ -78,9 +79,19 @@ def _count(table: dict[str, dict[str, int]], tensor: str, width: str | None, tai
     return total
 
 
-def _resource(log: str, pattern: str) -> int:
+# ptxas -v always prints these for an entry function; without them the census would invent zeros (and a
+# tie broken by fewer registers would pick the kernel whose report went missing).
+_REQUIRED = ("registers", "stack_bytes", "spill_store_bytes", "spill_load_bytes")
+
+
+def _resource(log: str, name: str, pattern: str, kernel: str) -> int:
     match = re.search(pattern, log)
-    return int(match.group(1)) if match else 0
+    if match:
+        return int(match.group(1))
+    if name in _REQUIRED:
+        first = " | ".join(log.strip().splitlines()[:4]) or "empty"
+        raise CompileError(f"census: ptxas reported no {name.replace('_', ' ')} for {kernel} (its log: {first})")
+    return 0  # no shared memory or barriers: ptxas leaves them out
 
 
 def _width(parts: list[str]) -> str:
@@ -129,7 +140,7 @@ def take_census(compiled: Compiled) -> Census:
         elif opcode.startswith("rsqrt.approx"):
             counts["rsqrt_approx"] += 1
     return Census(
-        **{name: _resource(log, pattern) for name, pattern in _RESOURCE_PATTERNS.items()},
+        **{name: _resource(log, name, pattern, compiled.kernel_name) for name, pattern in _RESOURCE_PATTERNS.items()},
         global_loads={k: dict(v) for k, v in sorted(loads.items())},
         global_stores={k: dict(v) for k, v in sorted(stores.items())},
         load_passes={k: sorted(v) for k, v in sorted(passes.items())},

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import multiprocessing
 import os
 import re
 import shutil
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -20,6 +22,7 @@ from mage_gen.render import Source
 DEFAULT_ARCH = "sm_90"
 # Bumped whenever what a cache entry holds, or how it is made, changes.
 _CACHE_FORMAT = "1"
+_RESOURCE_REPORT = "Used "  # ptxas -v: "Used N registers, ..." for every entry function
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,14 @@ def compile_source(source: Source, arch: str = DEFAULT_ARCH, fmad: bool = True) 
                         cubin=(entry / "kernel.cubin").read_bytes(), log=(entry / "ptxas.log").read_text(),
                         key=key, from_cache=True)
     ptx, cubin, log = _nvrtc(source, arch, fmad)
-    _store(entry, ptx, cubin, log)
+    if _RESOURCE_REPORT not in log:
+        # Seen with the NVRTC 13.0 of the GPU machine's image: a program compiled a second time in one process
+        # is answered from NVRTC's memory of it, and ptxas, which did not run, reports nothing. The census
+        # needs that report: a fresh process compiles it anew.
+        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as fresh:
+            ptx, cubin, log = fresh.submit(_nvrtc_anew, source, arch, fmad).result()
+    if _RESOURCE_REPORT in log:  # never cache a compile whose report is missing
+        _store(entry, ptx, cubin, log)
     return Compiled(kernel_name=source.kernel_name, arch=arch, ptx=ptx, cubin=cubin, log=log, key=key)
 
 
@@ -105,6 +115,11 @@ def _check(err: nvrtc.nvrtcResult, call: str) -> None:
         raise CompileError(f"{call} failed: {err.name}")
 
 
+def _nvrtc_anew(source: Source, arch: str, fmad: bool) -> tuple[str, bytes, str]:
+    """_nvrtc in a process that has compiled nothing yet (run by a spawned worker)."""
+    return _nvrtc(source, arch, fmad)
+
+
 def _nvrtc(source: Source, arch: str, fmad: bool) -> tuple[str, bytes, str]:
     err, prog = nvrtc.nvrtcCreateProgram(source.text.encode(), f"{source.kernel_name}.cu".encode(), 0, [], [])
     _check(err, "nvrtcCreateProgram")
@@ -113,21 +128,22 @@ def _nvrtc(source: Source, arch: str, fmad: bool) -> tuple[str, bytes, str]:
         (compile_err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         err, size = nvrtc.nvrtcGetProgramLogSize(prog)
         _check(err, "nvrtcGetProgramLogSize")
-        log_buf = b" " * size
+        log_buf = bytearray(size)  # written in place by NVRTC: a mutable buffer, never a shared bytes object
         (err,) = nvrtc.nvrtcGetProgramLog(prog, log_buf)
-        log = log_buf.rstrip(b"\0 ").decode(errors="replace")
+        _check(err, "nvrtcGetProgramLog")
+        log = bytes(log_buf).rstrip(b"\0 ").decode(errors="replace")
         if compile_err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise CompileError(f"NVRTC could not compile {source.kernel_name} ({compile_err.name}):\n{log}")
         err, size = nvrtc.nvrtcGetPTXSize(prog)
         _check(err, "nvrtcGetPTXSize")
-        ptx_buf = b" " * size
+        ptx_buf = bytearray(size)
         (err,) = nvrtc.nvrtcGetPTX(prog, ptx_buf)
         _check(err, "nvrtcGetPTX")
         err, size = nvrtc.nvrtcGetCUBINSize(prog)
         _check(err, "nvrtcGetCUBINSize")
-        cubin = b" " * size
+        cubin = bytearray(size)
         (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
         _check(err, "nvrtcGetCUBIN")
-        return ptx_buf.rstrip(b"\0").decode(), cubin, log
+        return bytes(ptx_buf).rstrip(b"\0").decode(), bytes(cubin), log
     finally:
         nvrtc.nvrtcDestroyProgram(prog)

@@ -97,3 +97,32 @@ def test_vocabulary_rejects_what_ptx_does_not_have(snippet, message, tmp_path):
 def test_render_failure_is_a_config_error():
     with pytest.raises(ConfigError, match="rsqrt mode"):
         render("layernorm/resident.cu.j2", {**OP.context(OP.shape(d=768), Params()), "RSQRT": "fast"}, "k", None)
+
+
+def test_a_ptxas_report_without_registers_fails_the_census_rather_than_reading_zero():
+    import dataclasses
+
+    op = get_op("layernorm")
+    compiled = compile_source(op.source(op.shape(d=768), Params()))
+    assert take_census(compiled).registers > 0
+    # a zero would win every tie broken by fewer registers
+    stripped = dataclasses.replace(compiled, log="\n".join(line for line in compiled.log.splitlines()
+                                                         if "registers" not in line))
+    with pytest.raises(CompileError, match="ptxas reported no registers for layernorm_row_d768"):
+        take_census(stripped)
+    no_shared = dataclasses.replace(compiled, log=compiled.log.replace(", 16 bytes smem", "").replace(
+        ", 32 bytes smem", ""))
+    assert take_census(no_shared).registers == take_census(compiled).registers
+
+
+def test_a_compile_whose_log_lost_the_resource_report_is_made_again_in_a_fresh_process(monkeypatch, tmp_path):
+    # NVRTC answering a repeated program from memory runs no ptxas and so reports nothing; stand that in
+    from mage_gen import compile as compile_module
+
+    monkeypatch.setenv("MAGE_GEN_CACHE", str(tmp_path))
+    real = compile_module._nvrtc
+    monkeypatch.setattr(compile_module, "_nvrtc", lambda *a: (*real(*a)[:2], ""))
+    op = get_op("layernorm")
+    compiled = compile_source(op.source(op.shape(d=640), Params(threads=32, vector=4)))
+    assert take_census(compiled).registers > 0  # the fresh process's report
+    assert compile_source(op.source(op.shape(d=640), Params(threads=32, vector=4))).from_cache
