@@ -117,7 +117,7 @@ def list_one(stored: Stored, arch: str) -> bool:
     """Compile the winner without a GPU; True when it builds."""
     if (variant := build_one(stored, arch)) is None:
         return False
-    runs = stored.op.gate_runs(stored.shape, dict(stored.op.run_defaults))
+    runs = stored.op.gate_runs(stored.shape, dict(stored.op.run_defaults), stored.params)
     report("LIST", stored, variant.source.kernel_name, f"{stored.params.label()}; runs {runs}")
     return True
 

@@ -8,9 +8,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from mage_gen.errors import MageError
-from mage_gen.measure import Bench, Evaluation, GateResult, gate, interleave
+from mage_gen.measure import Bench, Evaluation, GateResult, interleave
 from mage_gen.ops import Op
-from mage_gen.peers import make_peers
 from mage_gen.timing import Timing
 
 FINAL_ROUNDS = 5
@@ -46,21 +45,22 @@ class GpuBackend:
         pass  # the context is the process's; it goes with it
 
     def final(self, variants):
+        from mage_gen.peers import make_peers  # torch and Triton: imported where peers are timed, not before
+
         subjects, kernels, dropped = [], [], {}
         try:
             for v in variants:
                 kernel = self.bench.load(v)
                 kernels.append(kernel)
-                result = gate(self.op, self.shape, v.params, kernel, self.run, self.bench.rng, self.bench.stream)
-                if result.passed:
-                    subjects.append(self.bench.subject(v, kernel))
+                subject, result = self.bench.checked_subject(v, kernel)
+                if subject is not None:
+                    subjects.append(subject)
                 else:
                     dropped[v.source.kernel_name] = result.reason
             if not subjects:  # nothing left to compare the peers with
                 return {}, {}, dropped
-            inputs = self.bench.timing_inputs()  # the finalists' own
-            reference = self.op.reference(self.shape, inputs, self.op.scalars(self.shape, self.run))
-            peers, missing = make_peers(self.op, self.shape, self.run, inputs, reference)
+            inputs = self.bench.timing_inputs()  # the finalists' own, judged against the reference on the GPU
+            peers, missing = make_peers(self.op, self.shape, self.run, inputs, None, check=self.bench.check_tensor)
             everyone = [*subjects, *peers]
             hot = interleave(everyone, "hot", FINAL_ROUNDS, FINAL_PER_ROUND)
             cold = interleave(everyone, "cold", FINAL_ROUNDS, FINAL_PER_ROUND)

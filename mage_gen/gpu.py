@@ -4,6 +4,8 @@ launches, CUDA graphs and events. Every CUresult is checked and named in the err
 from __future__ import annotations
 
 import ctypes
+import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -58,6 +60,17 @@ class Buffer:
         _check(cu.cuMemcpyDtoH(out.ctypes.data, self.ptr, out.nbytes), "cuMemcpyDtoH")
         return out
 
+    def download_range(self, offset_bytes: int, count: int, dtype: Any = np.float32) -> np.ndarray:
+        out = np.empty(count, dtype=dtype)
+        _check(cu.cuMemcpyDtoH(out.ctypes.data, self.ptr + offset_bytes, out.nbytes), "cuMemcpyDtoH")
+        return out
+
+    def copy_from(self, source: Buffer) -> None:
+        """A device-to-device copy of source's bytes into the start of this buffer, finished when it returns:
+        work queued on a non-blocking stream does not wait for the legacy stream an async copy would use."""
+        _check(cu.cuMemcpyDtoD(self.ptr, source.ptr, source.nbytes), "cuMemcpyDtoD")
+        synchronize()
+
     def fill32(self, bits: int, stream: Any = 0, offset_bytes: int = 0, count: int | None = None) -> None:
         count = (self.nbytes - offset_bytes) // 4 if count is None else count
         _check(cu.cuMemsetD32Async(self.ptr + offset_bytes, bits, count, stream), "cuMemsetD32Async")
@@ -91,15 +104,58 @@ class Kernel:
             self.module = None
 
 
+class FixedLaunch:
+    """One kernel at a fixed grid, block and shared memory, launched with new argument values each time at
+    the least cost Python allows: the values are packed into one reused buffer and libcuda's cuLaunchKernel is
+    called through ctypes without per-argument conversion. For a runtime launching a kernel of a few
+    microseconds per model step, the binding's own call and ctypes objects per value cost more than that."""
+
+    _FORMATS = {"ptr": "Q", "i32": "i", "i64": "q", "f32": "f"}
+
+    def __init__(self, kernel: Kernel, grid: tuple[int, int, int], block: tuple[int, int, int], shared: int,
+                 kinds: Sequence[str]):
+        self.kernel = kernel
+        layout = struct.Struct("@" + "".join(self._FORMATS[kind] for kind in kinds))  # C struct alignment
+        self._pack = layout.pack_into
+        self._buffer = ctypes.create_string_buffer(max(layout.size, 1))
+        base = ctypes.addressof(self._buffer)
+        offsets = [struct.calcsize("@" + layout.format[1:i + 2]) - struct.calcsize(layout.format[i + 1])
+                   for i in range(len(kinds))]
+        self._pointers = (ctypes.c_void_p * max(len(kinds), 1))(*[base + offset for offset in offsets])
+        self._params = ctypes.c_void_p(ctypes.addressof(self._pointers))
+        # Plain ints go to the seven unsigned sizes (all below 2**31); the handle, stream and arrays as pointers.
+        self._fixed = (ctypes.c_void_p(int(kernel.function)), *grid, *block, shared)
+
+    def launch(self, values: Sequence[int | float], stream: int) -> None:
+        """Not thread-safe: the value buffer is shared (the caller serialises)."""
+        self._pack(self._buffer, 0, *values)
+        err = _driver_launch()(*self._fixed, ctypes.c_void_p(stream), self._params, None)
+        if err:
+            _check(cu.CUresult(err), f"cuLaunchKernel({self.kernel.name})")
+
+
+@cache
+def _driver_launch() -> Any:
+    function = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
+    function.restype = ctypes.c_int
+    return function
+
+
 class KernelArgs:
     """Kernel parameters as the driver wants them: an array of pointers to each argument's value."""
 
-    _CTYPES = {"ptr": ctypes.c_uint64, "i32": ctypes.c_int32, "f32": ctypes.c_float}
+    _CTYPES = {"ptr": ctypes.c_uint64, "i32": ctypes.c_int32, "i64": ctypes.c_int64, "f32": ctypes.c_float}
 
     def __init__(self, values: list[tuple[str, int | float]]):
         self._values = [self._CTYPES[kind](value) for kind, value in values]  # kept alive with the array
         self._array = (ctypes.c_void_p * max(len(self._values), 1))(
             *[ctypes.addressof(v) for v in self._values])
+
+    def set(self, values: Sequence[int | float]) -> None:
+        """New values for the same kinds, in place: one KernelArgs serves every launch of a kernel (the
+        driver copies the values when the launch is enqueued)."""
+        for slot, value in zip(self._values, values):
+            slot.value = value
 
     @property
     def address(self) -> int:
@@ -166,20 +222,24 @@ def synchronize() -> None:
     _check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
 
 
-@cache
-def open_device(ordinal: int = 0) -> DeviceInfo:
-    """Initialize the driver and make device `ordinal`'s primary context current (shared with torch)."""
+def _init_driver() -> None:
     try:
         err, = cu.cuInit(0)
     except RuntimeError as exc:  # no libcuda on this machine
-        raise NoGpuError(f"no CUDA driver on this machine ({exc}); timing needs an NVIDIA GPU") from None
+        raise NoGpuError(f"no CUDA driver on this machine ({exc}); running a kernel needs an NVIDIA GPU") from None
     if err != cu.CUresult.CUDA_SUCCESS:
-        raise NoGpuError(f"the CUDA driver did not initialize ({err.name}); timing needs an NVIDIA GPU")
-    if _check(cu.cuDeviceGetCount(), "cuDeviceGetCount") <= ordinal:
-        raise NoGpuError("the CUDA driver sees no GPU; timing needs an NVIDIA GPU")
+        raise NoGpuError(f"the CUDA driver did not initialize ({err.name}); running a kernel needs an NVIDIA GPU")
+
+
+@cache
+def device_info(ordinal: int = 0) -> DeviceInfo:
+    """What device `ordinal` is; touches no context."""
+    _init_driver()
+    count = _check(cu.cuDeviceGetCount(), "cuDeviceGetCount")
+    if count <= ordinal:
+        raise NoGpuError(f"the CUDA driver sees {count} GPU(s), not device {ordinal}; running a kernel needs an "
+                         "NVIDIA GPU")
     device = _check(cu.cuDeviceGet(ordinal), "cuDeviceGet")
-    context = _check(cu.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
-    _check(cu.cuCtxSetCurrent(context), "cuCtxSetCurrent")
     attr = cu.CUdevice_attribute
 
     def get(a: Any) -> int:
@@ -195,6 +255,38 @@ def open_device(ordinal: int = 0) -> DeviceInfo:
         max_shared_per_block=get(attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
         driver=f"{version // 1000}.{version % 1000 // 10}",
     )
+
+
+@cache
+def open_device(ordinal: int = 0) -> DeviceInfo:
+    """Initialize the driver and make device `ordinal`'s primary context current (shared with torch)."""
+    info = device_info(ordinal)
+    make_primary_current(ordinal)
+    return info
+
+
+def make_primary_current(ordinal: int) -> None:
+    """Make device `ordinal`'s primary context (the one torch and the runtime API use) current in this thread."""
+    device = _check(cu.cuDeviceGet(ordinal), "cuDeviceGet")
+    context = _check(cu.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
+    # Retained and never released: the primary context then lives as long as the process, as torch's does.
+    _check(cu.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+
+
+def current_context() -> int:
+    """The calling thread's current context handle, 0 where it has none."""
+    _init_driver_once()
+    return int(_check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent"))
+
+
+def current_device() -> int:
+    """The device ordinal of the calling thread's current context."""
+    return int(_check(cu.cuCtxGetDevice(), "cuCtxGetDevice"))
+
+
+@cache
+def _init_driver_once() -> None:
+    _init_driver()
 
 
 def device_name() -> str:

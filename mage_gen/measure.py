@@ -1,7 +1,10 @@
 """Gate, then time. A variant is timed only after its output matched the float64 reference.
 
 Gate: fresh random inputs for every check, the output poisoned with NaN and fenced by guard regions,
-several run sizes; relative norm ‖out − ref‖ / ‖ref‖ against the op's tolerance; NaN never passes.
+the run sizes the op names; relative norm ‖out − ref‖ / ‖ref‖ against the op's tolerance; NaN never passes.
+Then the kernel is checked once more at the size it is timed at, on the timing inputs, before it is timed:
+their float64 reference is computed once per Bench and the comparison runs on the GPU, so a DRAM-sized run
+costs milliseconds per trial, not seconds of CPU.
 Hot: launches captured in a CUDA graph and replayed, median per launch, inputs L2-warm.
 Cold: the L2 flushed by writing a buffer several times its size before each timed launch.
 """
@@ -17,8 +20,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from mage_gen import gpu
+from mage_gen.compile import compile_source
 from mage_gen.errors import GpuError
 from mage_gen.ops import Op
+from mage_gen.render import render
 from mage_gen.timing import Timing
 
 GUARD_FLOATS = 1024  # fenced on each side of every output
@@ -50,7 +55,9 @@ class Bound:
     """A kernel bound to device buffers for one run size: inputs uploaded, outputs fenced."""
 
     def __init__(self, op: Op, shape: Any, params: Any, kernel: gpu.Kernel, run: dict[str, int],
-                 inputs: dict[str, np.ndarray]):
+                 inputs: dict[str, np.ndarray], on_device: dict[str, gpu.Buffer] | None = None):
+        """on_device: the inputs already uploaded; each is copied on the device into this run's own buffer
+        (a kernel that writes into an input spoils only its own copy)."""
         self.op, self.kernel, self.run = op, kernel, run
         self.launch_geometry = op.geometry(shape, params, run)
         self.inputs = inputs
@@ -59,7 +66,10 @@ class Bound:
         try:
             for name, array in inputs.items():
                 self.buffers[name] = gpu.Buffer(array.nbytes)
-                self.buffers[name].upload(array)
+                if on_device is None:
+                    self.buffers[name].upload(array)
+                else:
+                    self.buffers[name].copy_from(on_device[name])
             for name, out_shape in self.output_shapes.items():
                 self.buffers[name] = gpu.Buffer((int(np.prod(out_shape)) + 2 * GUARD_FLOATS) * 4)
             scalars = op.scalars(shape, run)
@@ -86,6 +96,17 @@ class Bound:
     def enqueue(self, stream_handle: Any) -> None:
         g = self.launch_geometry
         self.kernel.launch(g.grid, g.block, g.dynamic_shared_bytes, self.args, stream_handle)
+
+    def fence_complaints(self) -> list[str]:
+        """A complaint for every output whose fence was written; reads the fences alone."""
+        complaints = []
+        for name in self.output_shapes:
+            buf = self.buffers[name]
+            fence = np.concatenate([buf.download_range(0, GUARD_FLOATS, np.uint32),
+                                    buf.download_range(buf.nbytes - GUARD_FLOATS * 4, GUARD_FLOATS, np.uint32)])
+            if (changed := int(np.count_nonzero(fence != GUARD_BITS))):
+                complaints.append(f"wrote {changed} floats outside {name}")
+        return complaints
 
     def outputs(self) -> tuple[dict[str, np.ndarray], list[str]]:
         """The outputs, and a complaint for every output whose fence was written."""
@@ -131,7 +152,7 @@ def compare_outputs(op: Op, outputs: dict[str, np.ndarray], reference: dict[str,
 def gate(op: Op, shape: Any, params: Any, kernel: gpu.Kernel, run: dict[str, int],
          rng: np.random.Generator, stream: gpu.Stream) -> GateResult:
     errors: dict[str, float] = {}
-    for gate_run in op.gate_runs(shape, run):
+    for gate_run in op.gate_runs(shape, run, params):
         key = ",".join(f"{k}={v}" for k, v in gate_run.items()) or "fixed"
         bound = None
         try:
@@ -154,6 +175,61 @@ def gate(op: Op, shape: Any, params: Any, kernel: gpu.Kernel, run: dict[str, int
         if reason:
             return GateResult(False, f"{gate_run}: {reason}", err, errors)
     return GateResult(True, "", max(errors.values()), errors)
+
+
+class DeviceReference:
+    """A float64 reference held on the GPU; outputs of its run size are compared with it there."""
+
+    _BLOCK = 256
+
+    def __init__(self, reference: dict[str, np.ndarray]):
+        self.sizes = {name: int(ref.size) for name, ref in reference.items()}
+        self.buffers: dict[str, gpu.Buffer] = {}
+        self._sums, self._bad = gpu.Buffer(16), gpu.Buffer(8)
+        for name, ref in reference.items():
+            self.buffers[name] = gpu.Buffer(ref.size * 8)
+            self.buffers[name].upload(np.ascontiguousarray(ref, dtype=np.float64))
+
+    def compare(self, op: Op, bound: Bound, stream: gpu.Stream) -> tuple[float, str]:
+        """(relative error, reason it failed or ''), as compare_outputs judges: a written fence or any NaN or
+        infinite output fails."""
+        complaints = bound.fence_complaints()
+        if complaints:
+            return float("inf"), "; ".join(complaints)
+        return self.compare_at(op, {name: bound.buffers[name].ptr + GUARD_FLOATS * 4 for name in self.buffers},
+                               stream)
+
+    def compare_at(self, op: Op, outputs: dict[str, int], stream: gpu.Stream) -> tuple[float, str]:
+        """The same verdict on outputs at the given device addresses (a peer's tensors), written and synced."""
+        worst = 0.0
+        kernel = _comparator()
+        blocks = max(1, min(-(-max(self.sizes.values()) // self._BLOCK), 8 * gpu.open_device().sms))
+        for name, ref in self.buffers.items():
+            self._sums.fill32(0, stream.handle)
+            self._bad.fill32(0, stream.handle)
+            args = gpu.KernelArgs([("ptr", outputs[name]), ("ptr", ref.ptr),
+                                   ("i64", self.sizes[name]), ("ptr", self._sums.ptr), ("ptr", self._bad.ptr)])
+            kernel.launch((blocks, 1, 1), (self._BLOCK, 1, 1), 0, args, stream.handle)
+            stream.synchronize()
+            diff2, ref2 = (float(v) for v in self._sums.download(np.float64))
+            bad = int(self._bad.download(np.uint64)[0])
+            if bad:
+                return float("inf"), f"{name} has {bad} NaN or infinite values: unwritten or computed NaN"
+            err = float(np.sqrt(diff2 / ref2)) if ref2 else float(np.sqrt(diff2))
+            worst = max(worst, err)
+            if not err <= op.tolerance:
+                return err, f"{name} relative error {err:.3g} > tolerance {op.tolerance:g}"
+        return worst, ""
+
+    def free(self) -> None:
+        for buf in (*self.buffers.values(), self._sums, self._bad):
+            buf.free()
+
+
+@cache
+def _comparator() -> gpu.Kernel:
+    source = render("measure/compare.cu.j2", {}, "mage_gen_compare", None)
+    return gpu.Kernel(compile_source(source, gpu.open_device().arch).cubin, source.kernel_name)
 
 
 # ---- timing ----
@@ -245,6 +321,8 @@ class Bench:
         self.stream = gpu.Stream()
         self.rng = np.random.default_rng(seed)
         self._timing_inputs: dict[str, np.ndarray] | None = None
+        self._timing_on_device: dict[str, gpu.Buffer] | None = None
+        self._timing_reference: DeviceReference | None = None
 
     def load(self, variant: Any) -> gpu.Kernel:
         launch = self.op.geometry(self.shape, variant.params, self.run)
@@ -256,9 +334,51 @@ class Bench:
             self._timing_inputs = self.op.make_inputs(self.shape, self.run, self.rng)
         return self._timing_inputs
 
+    def timing_reference(self) -> DeviceReference:
+        """The float64 reference of the timing inputs, computed once and kept on the GPU."""
+        if self._timing_reference is None:
+            inputs = self.timing_inputs()
+            self._timing_reference = DeviceReference(
+                self.op.reference(self.shape, inputs, self.op.scalars(self.shape, self.run)))
+        return self._timing_reference
+
     def subject(self, variant: Any, kernel: gpu.Kernel, name: str | None = None) -> KernelSubject:
-        bound = Bound(self.op, self.shape, variant.params, kernel, self.run, self.timing_inputs())
+        if self._timing_on_device is None:
+            uploaded = {}
+            for key, array in self.timing_inputs().items():
+                uploaded[key] = gpu.Buffer(array.nbytes)
+                uploaded[key].upload(array)
+            self._timing_on_device = uploaded
+        bound = Bound(self.op, self.shape, variant.params, kernel, self.run, self.timing_inputs(),
+                      on_device=self._timing_on_device)
         return KernelSubject(name or variant.source.kernel_name, bound, self.stream)
+
+    def check_tensor(self, name: str, tensor: Any) -> tuple[float, str]:
+        """A peer's output (a contiguous float32 CUDA tensor of the timed size) against the timing reference."""
+        return self.timing_reference().compare_at(self.op, {name: tensor.data_ptr()}, self.stream)
+
+    def checked_subject(self, variant: Any, kernel: gpu.Kernel, name: str | None = None
+                        ) -> tuple[KernelSubject | None, GateResult]:
+        """Gate (fresh inputs at the op's gate sizes), then one launch at the timed size on the timing inputs
+        into a poisoned, fenced output, compared on the GPU: a subject only for a kernel that passed both."""
+        result = gate(self.op, self.shape, variant.params, kernel, self.run, self.rng, self.stream)
+        if not result.passed:
+            return None, result
+        subject = self.subject(variant, kernel, name)
+        try:
+            subject.bound.poison(self.stream)
+            subject.bound.enqueue(self.stream.handle)
+            self.stream.synchronize()
+            err, reason = self.timing_reference().compare(self.op, subject.bound, self.stream)
+        except BaseException:
+            subject.close()
+            raise
+        key = ",".join(f"{k}={v}" for k, v in self.run.items()) or "fixed"
+        errors = {**result.errors, f"{key} (timing inputs)": err}
+        if reason:
+            subject.close()
+            return None, GateResult(False, f"{self.run} on the timing inputs: {reason}", err, errors)
+        return subject, GateResult(True, "", max(errors.values()), errors)
 
     def evaluate(self, variant: Any, hot_replays: int = 10, cold_count: int = 10) -> Evaluation:
         """Gate, then time; a failure is a failed Evaluation, except a CUDA error that left the context
@@ -282,11 +402,13 @@ class Bench:
         return evaluation
 
     def _gate_and_time(self, variant: Any, kernel: gpu.Kernel, hot_replays: int, cold_count: int) -> Evaluation:
-        result = gate(self.op, self.shape, variant.params, kernel, self.run, self.rng, self.stream)
-        if not result.passed:
+        try:
+            subject, result = self.checked_subject(variant, kernel)
+        except GpuError as exc:
+            return Evaluation(GateResult(False, f"timed-size check: {exc}", float("inf"), fault=True))
+        if subject is None:
             return Evaluation(result)
         try:
-            subject = self.subject(variant, kernel)
             try:
                 return Evaluation(result, Timing.from_samples("hot", subject.hot(hot_replays)),
                                   Timing.from_samples("cold", subject.cold(cold_count)))

@@ -196,9 +196,12 @@ _CANDIDATES = {"layernorm": _layernorm_candidates, "matmul": _matmul_candidates}
 
 
 def make_peers(op: Op, shape: Any, run: dict[str, int], inputs: dict[str, np.ndarray],
-               reference: dict[str, np.ndarray], pick_replays: int = 10) -> tuple[list[TorchSubject], dict[str, str]]:
+               reference: dict[str, np.ndarray] | None, pick_replays: int = 10,
+               check: Callable[[str, Any], tuple[float, str]] | None = None) -> tuple[list[TorchSubject], dict[str, str]]:
     """The op's peers, each gated on `inputs`; of a family with configs (Triton's num_warps) the fastest
-    hot. Returns (peers, {name: why it is missing})."""
+    hot. check(output name, tensor) -> (error, reason) judges on the GPU where the reference is held there
+    (measure.DeviceReference); otherwise `reference` is compared on the CPU. Returns (peers, {name: why it
+    is missing})."""
     if torch is None or not torch.cuda.is_available():
         return [], {"torch": "torch with CUDA is not installed here (pip install 'mage-gen[peers]')"}
     if op.name not in _CANDIDATES:
@@ -211,8 +214,11 @@ def make_peers(op: Op, shape: Any, run: dict[str, int], inputs: dict[str, np.nda
         for subject in subjects:
             out = subject.run()
             torch.cuda.synchronize()
-            (name, ref), = reference.items()  # every op here has one output
-            err, reason = compare_outputs(op, {name: out.detach().cpu().numpy()}, {name: ref})
+            (name,) = op.output_shapes(shape, run)  # every op here has one output
+            if check is not None:
+                err, reason = check(name, out)
+            else:
+                err, reason = compare_outputs(op, {name: out.detach().cpu().numpy()}, {name: reference[name]})
             if not reason:
                 subject.config["gate_error"] = err
                 passing.append(subject)

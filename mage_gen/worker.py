@@ -10,6 +10,7 @@ import multiprocessing as mp
 import statistics
 import time
 import traceback
+from pathlib import Path
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -44,7 +45,15 @@ def _serve(factory: Callable[[], Any], conn: Any) -> None:
             conn.send(("gpu_error", str(exc)))
             return
         except BaseException as exc:  # noqa: BLE001
-            conn.send(("error", "".join(traceback.format_exception_only(type(exc), exc)).strip()))
+            conn.send(("error", _one_line(exc)))
+
+
+def _one_line(exc: BaseException) -> str:
+    """The exception and the innermost frames it came through, on one line: the parent reports it as one."""
+    what = " ".join("".join(traceback.format_exception_only(type(exc), exc)).split())
+    frames = traceback.extract_tb(exc.__traceback__)[-4:]
+    where = " ← ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames))
+    return f"{what} (at {where})" if where else what
 
 
 class IsolatedBackend:
@@ -131,7 +140,14 @@ class IsolatedBackend:
 
     def final(self, variants: Sequence[Any]):
         # Peers compile and every finalist is re-gated here: give it the first-call allowance, at least.
-        kind, payload = self._call("final", (list(variants),), max(self._first_timeout_s, 20 * self.timeout_s()))
+        timeout = max(self._first_timeout_s, 20 * self.timeout_s())
+        kind, payload = self._call("final", (list(variants),), timeout)
+        if kind == "error":
+            # The final round is the first to import torch and Triton in this process; torch 2.11 was seen to
+            # fail that import now and then (a custom op of its own refused at registration). A fresh process
+            # has always imported it: the round is tried once more there, the trials being safe in the study.
+            self._restart()
+            kind, payload = self._call("final", (list(variants),), timeout)
         if kind != "ok":
             raise MageError(f"worker: the final round failed: {payload}")
         return payload

@@ -48,7 +48,7 @@ def worst_error(op, shape: Any, variant: Any, run_sizes: dict[str, int], rng: np
     """The largest relative error over `runs` (default op.gate_runs, as the gate does; inf where an output
     holds NaN); raises an InterpError for a fault, race or stale read."""
     worst = 0.0
-    for gate_run in (op.gate_runs(shape, run_sizes) if runs is None else runs):
+    for gate_run in (op.gate_runs(shape, run_sizes, variant.params) if runs is None else runs):
         result = run_once(op, shape, variant, gate_run, rng)
         for name, ref in result["reference"].items():
             out = result["outputs"][name]
@@ -60,7 +60,7 @@ def worst_error(op, shape: Any, variant: Any, run_sizes: dict[str, int], rng: np
 def gate(op, shape: Any, variant: Any, run_sizes: dict[str, int], rng: np.random.Generator) -> GateResult:
     """measure.gate's verdict, on the CPU: a fault the interpreter catches fails the gate with its message."""
     errors: dict[str, float] = {}
-    for gate_run in op.gate_runs(shape, run_sizes):
+    for gate_run in op.gate_runs(shape, run_sizes, variant.params):
         key = ",".join(f"{k}={v}" for k, v in gate_run.items()) or "fixed"
         try:
             result = run_once(op, shape, variant, gate_run, rng)

@@ -26,6 +26,8 @@ HINTS = ("none", "nc", "stream")
 MAX_D = 1 << 20
 # The kernels count rows and row groups in int: (M + R - 1) / R and a group's last row must not overflow.
 MAX_ROWS = 2**31 - 1024
+# Elements of x the gate draws fresh for every check, at most (a persistent grid may need more rows)
+GATE_ELEMENTS = 1 << 22
 MAX_VALUES_PER_THREAD = 64  # floats of one row a thread may hold; beyond it ptxas starts to spill
 _REGISTERS_PER_VALUE = {1: 5.0, 2: 3.5, 4: 2.25}
 _TEMPLATE_FILES = {"row": "layernorm/resident.cu.j2", "multirow": "layernorm/resident.cu.j2",
@@ -235,13 +237,37 @@ class LayerNorm:
         y += inputs["b"].astype(np.float64)
         return {"y": y}
 
-    def gate_runs(self, shape: Shape, run: dict[str, int]) -> list[dict[str, int]]:
-        """One row, an odd count that leaves a multirow block part-filled, and the size being tuned."""
-        return [{"m": m} for m in dict.fromkeys((1, 37, run["m"]))]
+    def gate_runs(self, shape: Shape, run: dict[str, int], params: Params) -> list[dict[str, int]]:
+        """One row; an odd count that leaves a multirow block part-filled; and the size being tuned, capped
+        where fresh inputs and a float64 reference of it would cost the CPU seconds per check. The cap still
+        has every block of a persistent grid walk its rows twice and leaves its last row group part-filled;
+        the tuned size itself is checked on the timing inputs (measure.Bench.checked_subject)."""
+        sweep = params.grid_cap * params.rows_per_block
+        covering = max(GATE_ELEMENTS // shape.d, 2 * sweep + 37)
+        return [{"m": m} for m in dict.fromkeys((1, 37, min(run["m"], covering)))]
 
     def bytes_moved(self, shape: Shape, run: dict[str, int]) -> int:
         """The fewest bytes a layer norm must move: x read once, y written once (w, b negligible)."""
         return 2 * run["m"] * shape.d * 4 + 2 * shape.d * 4
+
+    def contract(self, shape: Shape, p: Params) -> dict[str, Any]:
+        """What code launching the emitted kernel must guarantee; M is the one size given at launch."""
+        ctx = self.context(shape, p)
+        # x and y move V floats per access, and where V does not divide d each row's scalar head is worked out
+        # from the row index alone: both assume the base pointer itself is V-float aligned.
+        rows = 4 * ctx["V"]
+        # w and b are read V floats at a time only where every row's vector body starts at column 0.
+        columns = 4 if ctx["PEEL"] else 4 * ctx["V"]
+        matrix = {"dtype": "float32", "shape": ["M", shape.d],
+                  "layout": f"row-major, contiguous, row stride {shape.d} elements"}
+        vector = {"dtype": "float32", "shape": [shape.d], "layout": "contiguous"}
+        return {
+            "tensors": {"y": {**matrix, "alignment_bytes": rows}, "x": {**matrix, "alignment_bytes": rows},
+                        "w": {**vector, "alignment_bytes": columns}, "b": {**vector, "alignment_bytes": columns}},
+            "aliasing": "y must not overlap x, w or b (no in-place use): every pointer is declared __restrict__",
+            "scalars": {"M": {"meaning": "rows of x and y", "range": [1, MAX_ROWS]},
+                        "eps": {"meaning": "added to the variance before the square root", "default": self.eps}},
+        }
 
 
 OP = LayerNorm()

@@ -280,7 +280,7 @@ class Matmul:
     def reference(self, shape: Shape, inputs: dict[str, np.ndarray], scalars: dict[str, int | float]) -> dict[str, np.ndarray]:
         return {"C": inputs["A"].astype(np.float64) @ inputs["B"].astype(np.float64)}
 
-    def gate_runs(self, shape: Shape, run: dict[str, int]) -> list[dict[str, int]]:
+    def gate_runs(self, shape: Shape, run: dict[str, int], params: Params) -> list[dict[str, int]]:
         return [{}]  # every size is fixed: one run, fresh inputs each check
 
     def bytes_moved(self, shape: Shape, run: dict[str, int]) -> int:
@@ -288,6 +288,24 @@ class Matmul:
 
     def flops(self, shape: Shape) -> int:
         return 2 * shape.m * shape.n * shape.k
+
+    def contract(self, shape: Shape, p: Params) -> dict[str, Any]:
+        """What code launching the emitted kernel must guarantee; every size is fixed at generation."""
+        ctx = self.context(shape, p)
+
+        # Each cp.async moves A_VEC (B_VEC) floats and C is stored C_VEC floats at a time, each access a whole
+        # number of its widths from the base pointer: the pointer must be aligned to that width.
+        def matrix(rows: int, cols: int, floats_per_access: int) -> dict[str, Any]:
+            return {"dtype": "float32", "shape": [rows, cols],
+                    "layout": f"row-major, contiguous, row stride {cols} elements",
+                    "alignment_bytes": 4 * floats_per_access}
+
+        return {
+            "tensors": {"C": matrix(shape.m, shape.n, ctx["C_VEC"]), "A": matrix(shape.m, shape.k, ctx["A_VEC"]),
+                        "B": matrix(shape.k, shape.n, ctx["B_VEC"])},
+            "aliasing": "C must not overlap A or B (no in-place use): every pointer is declared __restrict__",
+            "scalars": {},
+        }
 
 
 OP = Matmul()
