@@ -14,19 +14,21 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from mage_gen.backends import Backend, ReplayBackend
+from mage_gen import dispatch
 from mage_gen.census import Census
 from mage_gen.compile import DEFAULT_ARCH, check_arch
 from mage_gen.emit import check_out_dir, emit
 from mage_gen.errors import MageError, NoGpuError
 from mage_gen.ops import Op, get_op
 from mage_gen.space import expand, load_space
-from mage_gen.store import check_can_save, load_winner, save_entry
+from mage_gen.store import (Winner, check_can_save, entry_key, load_winner, load_winners, save_entry, shape_entries,
+                            tuned_shapes)
 from mage_gen.timing import Timing
-from mage_gen.tune import DEFAULT_TPE_TRIALS, EXHAUSTIVE_LIMIT, TuneResult
-from mage_gen.tune import tune as tune_search
 from mage_gen.variants import Variant, build, build_all
-from mage_gen.worker import IsolatedBackend, gpu_backend
+
+# What only `tune` needs (Optuna, the measuring worker, and through the final round torch and Triton) is
+# imported inside it: every other command starts without them.
+EXHAUSTIVE_LIMIT, DEFAULT_TPE_TRIALS = 64, 96  # mage_gen.tune's; a test holds the two in step
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Generate, check and tune GPU kernels written with inline PTX.")
@@ -41,6 +43,21 @@ NOpt = typer.Option(None, "--n", help="matmul: columns of B and C")
 KOpt = typer.Option(None, "--k", help="matmul: columns of A, rows of B")
 ArchOpt = typer.Option(DEFAULT_ARCH, "--arch", help="GPU architecture to compile for, e.g. sm_90, sm_80")
 JsonOpt = typer.Option(False, "--json", help="print machine-readable JSON instead of a table")
+
+
+def _parse_sizes(op: Op, text: str) -> list[int] | str:
+    """tune's --m: for an op sized at launch, one or more comma-separated run sizes or 'auto'; for an op
+    whose M is fixed at generation, one number."""
+    value = text.strip().lower()
+    if value == "auto" and "m" in op.run_dims:
+        return "auto"
+    parts = [part.strip() for part in value.split(",")]
+    if not all(part.isdigit() for part in parts):
+        allowed = "a whole number, several separated by commas, or auto" if "m" in op.run_dims else "a whole number"
+        raise MageError(f"m: --m takes {allowed}, got {text!r}")
+    if len(parts) > 1 and "m" not in op.run_dims:
+        raise MageError(f"m: {op.name} fixes M when it is generated; give one --m")
+    return list(dict.fromkeys(int(part) for part in parts))
 
 
 def _problem(op: Op, **given: Optional[int]) -> tuple[Any, dict[str, int]]:
@@ -227,20 +244,67 @@ def emit_command(
     gpu: Optional[str] = typer.Option(None, "--gpu", envvar="MAGE_GEN_GPU",
                                       help="the GPU whose tuned/ winner to emit (default: this machine's)"),
 ) -> None:
-    """Write a kernel as standalone .cu, .ptx, .cubin and .launch.json: the tuned winner, or --config."""
+    """Write a kernel as standalone .cu, .ptx, .cubin, .launch.json and .h: the tuned winner of each size
+    class (of the one that serves --m, where given), or --config."""
     op = get_op(op_name)
-    shape, _ = _problem(op, d=d, m=m, n=n, k=k)
+    shape, run = _problem(op, d=d, m=m, n=n, k=k)
     check_arch(arch)
     if config:
-        params, provenance = op.params_from_dict(_parse_config(config)), None
+        paths = emit(op, shape, op.params_from_dict(_parse_config(config)), arch, out_dir, None)
     else:
-        winner = load_winner(op, shape, gpu or _this_gpu())
-        params, provenance = winner.params, winner.entry
-    for path in emit(op, shape, params, arch, out_dir, provenance):
+        paths = _emit_tuned(op, shape, gpu or _this_gpu(), arch, out_dir, run if m is not None else None)
+    for path in paths:
         print(path)
 
 
-def _print_result(op: Op, result: TuneResult, objective: str) -> None:
+def _stem(op: Op, shape: Any, winner: Winner) -> str:
+    """Files of a size class are named after it: layernorm_d768_m4096."""
+    sizes = "".join(f"_{k}{v}" for k, v in (winner.run or {}).items())
+    return f"{op.name}_{op.slug(shape)}{sizes}"
+
+
+def _size_classes(op: Op, shape: Any, winners: list[Winner]) -> dict[str, Any] | None:
+    if not op.run_dims:
+        return None
+    l2 = int(winners[0].entry["gpu"]["l2_bytes"])
+    return {"rule": dispatch.RULE, "l2_bytes": l2, "classes": [
+        {**(w.run or {}), "regime": dispatch.regime(op, shape, w.run or {}, l2), "stem": _stem(op, shape, w),
+         "kernel": w.entry["kernel"], "objective": w.entry["objective"]} for w in winners]}
+
+
+def _emit_tuned(op: Op, shape: Any, gpu_name: str, arch: str, out_dir: Path, run: dict[str, int] | None
+                ) -> list[Path]:
+    """Every size class's winner (only the one that serves `run`, where given). A fixed-size op with no entry
+    for this shape takes the params of the nearest tuned shape they are valid for, else its default config,
+    and says so."""
+    if not op.run_dims and not shape_entries(op, shape, gpu_name):
+        return _emit_untuned(op, shape, gpu_name, arch, out_dir)
+    winners = load_winners(op, shape, gpu_name)
+    classes = _size_classes(op, shape, winners)
+    if run is not None and op.run_dims:
+        winners = [load_winner(op, shape, gpu_name, run)]
+    paths: list[Path] = []
+    for w in winners:
+        paths += emit(op, shape, w.params, arch, out_dir, w.entry, stem=_stem(op, shape, w), size_classes=classes)
+    return paths
+
+
+def _emit_untuned(op: Op, shape: Any, gpu_name: str, arch: str, out_dir: Path) -> list[Path]:
+    nearest = dispatch.nearest_shape(op, shape, tuned_shapes(op, gpu_name))
+    if nearest is not None:
+        other, params = nearest
+        err.print(f"mage-gen: no tuned {op.name} entry for {vars(shape)} on {gpu_name}; emitting the params of "
+                  f"the nearest tuned shape {vars(other)} (untimed at this shape; tune it for a measured winner)",
+                  markup=False, highlight=False, soft_wrap=True)
+    else:
+        params = op.params_from_dict({})
+        op.validate(shape, params)
+        err.print(f"mage-gen: no tuned {op.name} entry near {vars(shape)} on {gpu_name}; emitting the default "
+                  "config (untimed; tune it for a measured winner)", markup=False, highlight=False, soft_wrap=True)
+    return emit(op, shape, params, arch, out_dir, None)
+
+
+def _print_result(op: Op, result: Any, objective: str) -> None:
     table = Table(title=f"{op.name}: winner and runner-ups ({objective} objective), then peers, µs per launch")
     peers = list(result.peers)
     for column in ("", "kernel", "hot median", "± spread", "cold median", "regs", *(f"vs {p}" for p in peers)):
@@ -279,49 +343,92 @@ def _print_result(op: Op, result: TuneResult, objective: str) -> None:
 
 @app.command("tune")
 def tune_command(
-    op_name: str = OpArg, d: Optional[int] = DOpt, m: Optional[int] = MOpt, n: Optional[int] = NOpt,
-    k: Optional[int] = KOpt,
+    op_name: str = OpArg, d: Optional[int] = DOpt,
+    m: Optional[str] = typer.Option(None, "--m", help="matmul: M. layernorm: the rows to tune at, one size class "
+                                                      "each: 4096, 4096,65536, or auto (one M whose x and y fit "
+                                                      "the GPU's L2, one that does not; default 4096)"),
+    n: Optional[int] = NOpt, k: Optional[int] = KOpt,
     preset: Optional[str] = typer.Option(None, help="search-space preset from search/<op>.toml (quick, full)"),
-    trials: Optional[int] = typer.Option(None, min=1, help="configs the study measures in all, earlier runs "
+    trials: Optional[int] = typer.Option(None, min=1, help="configs each study measures in all, earlier runs "
                                                            f"included (default: all when ≤ {EXHAUSTIVE_LIMIT}, "
                                                            f"else {DEFAULT_TPE_TRIALS})"),
     objective: str = typer.Option("hot", help="hot (L2-warm, graph replay) or cold (L2 flushed)"),
     storage: Optional[str] = typer.Option(None, help="Optuna storage URL (default: SQLite in the user data folder)"),
-    study: Optional[str] = typer.Option(None, help="study name (default: from op, shape, GPU, arch, objective)"),
+    study: Optional[str] = typer.Option(None, help="study name (default: from op, shape, M, GPU, arch, objective)"),
     arch: Optional[str] = typer.Option(None, "--arch", help="default: the GPU's own"),
-    out_dir: Path = typer.Option(Path("kernels"), "-o", "--out", help="folder for the emitted winner"),
+    out_dir: Path = typer.Option(Path("kernels"), "-o", "--out", help="folder for the emitted winners"),
     seed: int = typer.Option(0, help="seed of the sampler and the random inputs"),
     replay: Optional[Path] = typer.Option(None, help="answer from a recording of bench/layernorm_trials.py "
                                                       "instead of the GPU (for testing)"),
 ) -> None:
-    """Search the space on this GPU: gate every variant, time the ones that pass, store and emit the winner."""
+    """Search the space on this GPU, one study per size class: gate every variant, time the ones that pass,
+    store each winner in tuned/ and emit them."""
+    from mage_gen.backends import ReplayBackend
+
     op = get_op(op_name)
-    shape, run = _problem(op, d=d, m=m, n=n, k=k)
+    sizes = _parse_sizes(op, m) if m is not None else None
+    shape, default_run = _problem(op, d=d, m=sizes[0] if sizes and "m" in op.shape_dims else None, n=n, k=k)
     if objective not in ("hot", "cold"):
         raise MageError(f"objective: use hot or cold, got {objective!r}")
+    if study and isinstance(sizes, list) and len(sizes) > 1:
+        raise MageError("study: one --study name cannot hold several size classes; leave --study out")
     space = load_space(op, preset)
     valid, rejected = expand(op, shape, space)
-    backend: Backend | None = None
-    no_gpu = ""
+    replayed = ReplayBackend(replay) if replay else None  # a bad --replay file is its own one-line error
     try:
-        # On the GPU every trial runs in a worker process: a variant that crashes or hangs fails alone.
-        backend = ReplayBackend(replay) if replay else IsolatedBackend(partial(gpu_backend, op.name, shape, run, seed))
-    except NoGpuError as exc:  # a bad --replay file is ReplayBackend's own one-line MageError
-        no_gpu = str(exc)
-    if backend is not None and arch and check_arch(arch) != backend.arch:
-        raise MageError(f"arch: the GPU here is {backend.arch}; kernels for {arch} cannot be timed on it")
-    target = backend.arch if backend else check_arch(arch or DEFAULT_ARCH)
-    if backend is not None:
-        # Where the winner goes is checked before the search, so that nothing is measured in vain.
-        check_can_save(op.name, backend.device["name"])
-        check_out_dir(out_dir)
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err, transient=True, disable=not err.is_terminal) as progress:
-        if backend is None:
+        device = replayed.device if replayed else _gpu_facts()
+    except NoGpuError as exc:
+        target = check_arch(arch or DEFAULT_ARCH)
+        with Progress(TextColumn("compiling"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=err, transient=True, disable=not err.is_terminal) as progress:
             task = progress.add_task("compiling", total=len(valid))
             build_all(op, shape, valid, target, progress=lambda: progress.advance(task))
-            raise NoGpuError(f"compiled and counted {len(valid)} valid variants ({len(rejected)} rejected) for "
-                             f"{target}; {no_gpu}")
+        raise NoGpuError(f"compiled and counted {len(valid)} valid variants ({len(rejected)} rejected) for "
+                         f"{target}; {exc}") from None
+    target = "sm_" + str(device["cc"]).replace(".", "")
+    if arch and check_arch(arch) != target:
+        raise MageError(f"arch: the GPU here is {target}; kernels for {arch} cannot be timed on it")
+    if sizes == "auto":
+        runs = dispatch.auto_runs(op, shape, int(device["l2_bytes"]))
+    elif sizes and "m" in op.run_dims:
+        runs = [{"m": size} for size in sizes]
+        for run in runs:
+            op.check_run(run)
+    else:
+        runs = [default_run]
+    # Where the winners go is checked before the search, so that nothing is measured in vain.
+    check_can_save(op.name, device["name"])
+    check_out_dir(out_dir)
+    for run in runs:
+        if len(runs) > 1:
+            err.print(f"tuning {op.name} {vars(shape)} at {run} ({dispatch.regime(op, shape, run, int(device['l2_bytes']))}"
+                      " size class)", markup=False, highlight=False)
+        _tune_size_class(op, shape, run, space, replayed, seed, objective=objective, trials=trials,
+                         storage=storage, study=study)
+    for path in _emit_tuned(op, shape, device["name"], target, out_dir, None):
+        print(path)
+
+
+def _gpu_facts() -> dict[str, Any]:
+    """This machine's GPU as tuned/ records it (name, cc, SMs, L2, driver); NoGpuError where there is none."""
+    from mage_gen import gpu
+
+    return gpu.open_device().to_dict()
+
+
+def _tune_size_class(op: Op, shape: Any, run: dict[str, int], space: Any, replayed: Any, seed: int,
+                     **search: Any) -> None:
+    """One study at one run size, its winner stored in tuned/ under its size class."""
+    from mage_gen.tune import tune as tune_search
+    from mage_gen.worker import IsolatedBackend, gpu_backend
+
+    if replayed is not None and replayed.recording.get("run", run) != run:
+        raise MageError(f"replay: the recording was made at {replayed.recording.get('run')}, not {run}; give "
+                        "--m to match it")
+    # On the GPU every trial runs in a worker process: a variant that crashes or hangs fails alone.
+    backend = replayed or IsolatedBackend(partial(gpu_backend, op.name, shape, run, seed))
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=True, disable=not err.is_terminal) as progress:
         trial_task = progress.add_task("compiling", total=None)
         stages = {"compiling": "compiling", "trials": "measuring", "final": "re-timing finalists"}
 
@@ -329,16 +436,18 @@ def tune_command(
             progress.update(trial_task, description=stages[stage], completed=done, total=total)
 
         try:
-            result = tune_search(op, shape, run, space, backend, objective=objective, trials=trials,
-                                 storage=storage, study_name=study, seed=seed, progress=report)
+            result = tune_search(op, shape, run, space, backend, seed=seed, progress=report,
+                                 study_name=search["study"], objective=search["objective"],
+                                 trials=search["trials"], storage=search["storage"])
         finally:
             backend.close()
-    entry = result.entry(op, shape, run, backend.device, objective)
-    stored = save_entry(op.name, backend.device["name"], op.shape_key(shape), entry)
-    _print_result(op, result, objective)
+    entry = result.entry(op, shape, run, backend.device, search["objective"])
+    l2 = int(backend.device["l2_bytes"])
+    entry["size_class"] = {**run, "regime": dispatch.regime(op, shape, run, l2), "bytes_moved": op.bytes_moved(shape, run),
+                           "l2_bytes": l2, "rule": dispatch.RULE} if op.run_dims else None
+    stored = save_entry(op.name, backend.device["name"], entry_key(op, shape, run), entry)
+    _print_result(op, result, search["objective"])
     out.print(f"stored {stored}")
-    for path in emit(op, shape, result.winner.params, target, out_dir, entry):
-        print(path)
 
 
 def _click_exceptions(name: str) -> tuple[type[BaseException], ...]:

@@ -1,38 +1,51 @@
-"""A fixed kernel written out for use without mage-gen: source, PTX, cubin and how to launch it.
+"""A fixed kernel written out for use without mage-gen: source, PTX, cubin, how to launch it, and a C++ header
+that launches it through the CUDA driver API.
 
-Works without a GPU. The files are named after the op and shape, not the params, so that code calling
-`layernorm_d768` picks up a re-tuned winner without changing.
+Works without a GPU. The files are named after the op and shape, not the params (unless the caller names
+them), so that code calling `layernorm_d768` picks up a re-tuned winner without changing.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import mage_gen
 from mage_gen.compile import nvrtc_version
-from mage_gen.errors import MageError
+from mage_gen.errors import ConfigError, MageError
 from mage_gen.ops import Arg, Op
+from mage_gen.render import environment
 from mage_gen.store import unwritable, write_atomic
 from mage_gen.timing import Timing
 from mage_gen.variants import Variant, build
 
-LAUNCH_FORMAT = 1
+LAUNCH_FORMAT = 2
 _C_TYPES = {"out": "float*", "in": "const float*", "i32": "int", "f32": "float"}
+DEFAULT_SHARED_LIMIT = 48 * 1024  # dynamic shared memory a function may use before it opts in to more
+_C_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-def emit(op: Op, shape: Any, params: Any, arch: str, out_dir: Path,
-         provenance: dict[str, Any] | None) -> list[Path]:
-    """Write <op>_<shape>.cu, .ptx, .cubin and .launch.json into out_dir; provenance is a store entry."""
+def emit(op: Op, shape: Any, params: Any, arch: str, out_dir: Path, provenance: dict[str, Any] | None, *,
+         stem: str | None = None, size_classes: dict | None = None) -> list[Path]:
+    """Write <stem>.cu, .ptx, .cubin, .launch.json and .h into out_dir; the stem is <op>_<shape> unless given.
+    provenance is a store entry; size_classes, the caller's table of which kernel serves which sizes, goes
+    into launch.json as given."""
+    stem = f"{op.name}_{op.slug(shape)}" if stem is None else stem
+    if not _C_IDENTIFIER.fullmatch(stem):
+        raise ConfigError(f"stem: {stem!r} is not a C identifier (letters, digits, _): it prefixes the header's names")
     variant = build(op, shape, params, arch)  # before any folder is made: a rejected config leaves nothing
-    stem = f"{op.name}_{op.slug(shape)}"
+    header = _header(op, shape, variant, provenance)
+    contract = op.contract(shape, variant.params)
+    launch_doc = _launch_doc(op, shape, variant, provenance, contract, size_classes)
     contents = {
-        f"{stem}.cu": ("\n".join(_header(op, shape, variant, provenance)) + "\n\n" + variant.source.text).encode(),
+        f"{stem}.cu": ("\n".join(header) + "\n\n" + variant.source.text).encode(),
         f"{stem}.ptx": variant.compiled.ptx.encode(),
         f"{stem}.cubin": variant.compiled.cubin,
-        f"{stem}.launch.json": (json.dumps(_launch_doc(op, shape, variant, provenance), indent=2) + "\n").encode(),
+        f"{stem}.launch.json": (json.dumps(launch_doc, indent=2) + "\n").encode(),
+        f"{stem}.h": _c_header(op, shape, variant, stem, header, contract).encode(),
     }
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -59,15 +72,20 @@ def _c_type(arg: Arg) -> str:
     return _C_TYPES[arg.kind]
 
 
-def _launch_doc(op: Op, shape: Any, variant: Variant, provenance: dict[str, Any] | None) -> dict[str, Any]:
+def _launch_doc(op: Op, shape: Any, variant: Variant, provenance: dict[str, Any] | None,
+                contract: dict[str, Any], size_classes: dict | None) -> dict[str, Any]:
     source = variant.source
+    launch = op.launch_formula(shape, variant.params)
     return {
         "format": LAUNCH_FORMAT,
         "op": op.name,
         "kernel": source.kernel_name,
         "arch": variant.compiled.arch,
-        "launch": op.launch_formula(shape, variant.params),
+        "launch": launch,
+        "dynamic_shared_memory": _dynamic_shared(launch["dynamic_shared_bytes"]),
         "args": [{"name": a.name, "type": _c_type(a)} for a in op.args],
+        "contract": contract,
+        "size_classes": size_classes,
         "params": op.params_to_dict(variant.params),
         "shape": asdict(shape),
         "template": source.template,
@@ -76,6 +94,28 @@ def _launch_doc(op: Op, shape: Any, variant: Variant, provenance: dict[str, Any]
         "nvrtc": nvrtc_version(),
         "provenance": provenance,
     }
+
+
+def _dynamic_shared(nbytes: int) -> dict[str, Any]:
+    doc: dict[str, Any] = {"bytes": nbytes, "opt_in_required": nbytes > DEFAULT_SHARED_LIMIT}
+    if doc["opt_in_required"]:
+        doc["how"] = (f"cuFuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, {nbytes}) "
+                      "before the first launch")
+    return doc
+
+
+def _c_header(op: Op, shape: Any, variant: Variant, stem: str, provenance: list[str],
+              contract: dict[str, Any]) -> str:
+    """<stem>.h: the .cu's provenance comment, the contract, and <stem>_launch, which checks the contract's
+    sizes and alignments, then launches with the grid the op's launch formula gives."""
+    launch = op.launch_formula(shape, variant.params)
+    # The formula's grid is C already, except for min(), which C++ has only in <algorithm>.
+    grid = [re.sub(r"\bmin\(", f"{stem}_min(", str(size)) for size in launch["grid"]]
+    shared = launch["dynamic_shared_bytes"]
+    return environment().get_template("emit/launch.h.j2").render(
+        stem=stem, kernel=variant.source.kernel_name, arch=variant.compiled.arch, provenance=provenance,
+        contract=contract, args=[(a.name, _c_type(a)) for a in op.args], grid=grid, block=launch["block"],
+        shared_bytes=shared, opt_in=shared > DEFAULT_SHARED_LIMIT, uses_min=any(f"{stem}_min(" in g for g in grid))
 
 
 def _header(op: Op, shape: Any, variant: Variant, provenance: dict[str, Any] | None) -> list[str]:

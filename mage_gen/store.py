@@ -1,7 +1,11 @@
-"""Tuned winners, one file per (GPU, op): tuned/<gpu slug>/<op>.json, one entry per shape key.
+"""Tuned winners, one file per (GPU, op): tuned/<gpu slug>/<op>.json, one entry per shape key and, for an
+op sized at launch, per size class (the run size it was tuned at; mage_gen.dispatch picks among them).
 
-    {"format": 1, "op": "layernorm", "gpu": "NVIDIA H200",
-     "entries": {"d=768/float32": {"params": {...}, "timings": {...}, ...}}}
+    {"format": 2, "op": "layernorm", "gpu": "NVIDIA H200",
+     "entries": {"d=768/float32/m=4096": {"params": {...}, "timings": {...}, ...},
+                 "d=768/float32/m=65536": {...}}}
+
+Format 1 keys had no size class (each entry was tuned at its "run"); such a file is read as format 2.
 
 The tuner builds the entries; this module only checks that one carries what emit and bench need, and
 writes the file so that a reader never sees half of it. A file it cannot read is reported, never
@@ -21,11 +25,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from mage_gen import dispatch
 from mage_gen.errors import ConfigError, MageError, StoreError
 from mage_gen.ops import Op
 from mage_gen.timing import Timing
 
-FORMAT = 1
+FORMAT = 2
 # What every entry must carry: what was built and from which template version, how it was judged and
 # timed, against whom, on which GPU, and with which tools.
 REQUIRED_KEYS = ("shape", "params", "kernel", "template", "template_hash", "objective", "timings", "peers",
@@ -43,6 +48,15 @@ class Winner:
     params: Any  # the op's Params, rebuilt from the entry
     entry: dict[str, Any]
     path: Path
+    key: str = ""  # the entry's key in the file
+    run: dict[str, int] | None = None  # the run size it was tuned at (its size class); {} for a fixed-size op
+
+
+def entry_key(op: Op, shape: Any, run: dict[str, int]) -> str:
+    """'d=768/float32/m=4096': the shape key, then the size class for an op sized at launch."""
+    key = op.shape_key(shape)
+    sizes = {name: run[name] for name in op.run_dims}
+    return key + ("/" + ",".join(f"{k}={v}" for k, v in sizes.items()) if sizes else "")
 
 
 def tuned_dir() -> Path:
@@ -131,9 +145,46 @@ def load_entry(op_name: str, gpu_name: str, shape_key: str, current_template_has
     return entry
 
 
-def load_winner(op: Op, shape: Any, gpu_name: str, directory: Path | None = None) -> Winner:
-    """The stored winner's params, refused when the templates changed since it was tuned."""
-    key = op.shape_key(shape)
+def shape_entries(op: Op, shape: Any, gpu_name: str, directory: Path | None = None) -> dict[str, dict[str, Any]]:
+    """Every entry of this shape (each size class), by key; {} where none is stored."""
+    path = store_file(op.name, gpu_name, directory)
+    if not path.exists():
+        return {}
+    prefix = op.shape_key(shape)
+    return {key: entry for key, entry in _read(path, op.name)["entries"].items()
+            if key == prefix or key.startswith(prefix + "/")}
+
+
+def load_winners(op: Op, shape: Any, gpu_name: str, directory: Path | None = None) -> list[Winner]:
+    """The stored winner of every size class of a shape, smallest run size first; each refused when the
+    templates changed since it was tuned."""
+    keys = sorted(shape_entries(op, shape, gpu_name, directory),
+                  key=lambda k: sorted(_entry_run(op, load_entry(op.name, gpu_name, k, directory=directory)).items()))
+    if not keys:  # load_entry words the error: no file, or no entry for this shape
+        load_entry(op.name, gpu_name, op.shape_key(shape), directory=directory)
+    return [_winner(op, shape, gpu_name, key, directory) for key in keys]
+
+
+def load_winner(op: Op, shape: Any, gpu_name: str, run: dict[str, int] | None = None,
+                directory: Path | None = None, l2_bytes: int | None = None) -> Winner:
+    """The stored winner that serves a launch of `run` (default: the op's run defaults), by dispatch.RULE;
+    l2_bytes defaults to the L2 recorded with the entries (the GPU they were tuned on)."""
+    winners = load_winners(op, shape, gpu_name, directory)
+    if len(winners) == 1:
+        return winners[0]
+    run = dict(op.run_defaults) if run is None else run
+    l2 = l2_bytes if l2_bytes is not None else int(winners[0].entry["gpu"]["l2_bytes"])
+    classes = [dispatch.SizeClass(w.key, w.run or {}) for w in winners]
+    chosen = dispatch.choose(op, shape, run, classes, l2)
+    return next(w for w in winners if w.key == chosen.key)
+
+
+def _entry_run(op: Op, entry: dict[str, Any]) -> dict[str, int]:
+    run = entry.get("run") if isinstance(entry.get("run"), dict) else {}
+    return {name: int(run.get(name, op.run_defaults[name])) for name in op.run_dims}
+
+
+def _winner(op: Op, shape: Any, gpu_name: str, key: str, directory: Path | None) -> Winner:
     path = store_file(op.name, gpu_name, directory)
     stored = load_entry(op.name, gpu_name, key, directory=directory)
     try:
@@ -144,7 +195,23 @@ def load_winner(op: Op, shape: Any, gpu_name: str, directory: Path | None = None
                          f"run `{_tune_command(op.name, key)}` on this GPU, or pass --config") from None
     # Read again with the hash: the check that refuses a stale entry is load_entry's alone.
     entry = load_entry(op.name, gpu_name, key, current_template_hash=current, directory=directory)
-    return Winner(params=op.params_from_dict(entry["params"]), entry=entry, path=path)
+    return Winner(params=op.params_from_dict(entry["params"]), entry=entry, path=path, key=key,
+                  run=_entry_run(op, entry))
+
+
+def tuned_shapes(op: Op, gpu_name: str, directory: Path | None = None) -> dict[Any, Any]:
+    """Every shape with a usable (buildable) entry, mapped to its params: what nearest-shape lookup draws on."""
+    path = store_file(op.name, gpu_name, directory)
+    if not path.exists():
+        return {}
+    found = {}
+    for entry in _read(path, op.name)["entries"].values():
+        try:
+            shape = op.shape(**entry["shape"])
+            found.setdefault(shape, op.params_from_dict(entry["params"]))
+        except (ConfigError, KeyError, TypeError):
+            continue
+    return found
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -187,13 +254,23 @@ def _read(path: Path, op_name: str) -> dict[str, Any]:
         raise corrupt(f"not JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise corrupt("not a JSON object")
-    if doc.get("format") != FORMAT:
+    if doc.get("format") not in (1, FORMAT):
         raise corrupt(f"format {doc.get('format')!r}, expected {FORMAT}")
     if doc.get("op") != op_name:
         raise corrupt(f"op {doc.get('op')!r}, expected {op_name!r}")
     if not isinstance(doc.get("entries"), dict):
         raise corrupt("'entries' is not an object")
+    if doc["format"] == 1:
+        doc = {**doc, "format": FORMAT, "entries": {_class_key(k, e): e for k, e in doc["entries"].items()}}
     return doc
+
+
+def _class_key(key: str, entry: Any) -> str:
+    """A format-1 key with the size class its entry was tuned at: 'd=768/float32' + its run {'m': 4096}."""
+    run = entry.get("run") if isinstance(entry, dict) else None
+    if not isinstance(run, dict) or not run:
+        return key
+    return key + "/" + ",".join(f"{k}={v}" for k, v in run.items())
 
 
 def _check_entry(entry: Any, where: str, fix: str = "the tuner must fill it in") -> None:
@@ -228,8 +305,10 @@ def _is_iso_date(text: str) -> bool:
 
 
 def _tune_command(op_name: str, shape_key: str) -> str:
-    """'d=768/float32' -> 'mage-gen tune layernorm --d 768': the sizes of a key are the tune flags."""
-    sizes = shape_key.split("/")[0]
-    flags = [f"--{name} {value}" for name, sep, value in (part.partition("=") for part in sizes.split(","))
-             if sep]
+    """'d=768/float32/m=4096' -> 'mage-gen tune layernorm --d 768 --m 4096': the sizes of a key (its first
+    part, and its size class where it has one) are the tune flags."""
+    parts = shape_key.split("/")
+    sizes = [parts[0], *parts[2:3]]
+    flags = [f"--{name} {value}" for group in sizes
+             for name, sep, value in (part.partition("=") for part in group.split(",")) if sep]
     return " ".join(["mage-gen", "tune", op_name, *flags])

@@ -52,7 +52,7 @@ def corrupt_tuned(tmp_path: Path, make_entry) -> None:
 def stale_tuned(tmp_path: Path, make_entry) -> None:
     # A valid entry, except that the templates it was made from are not today's.
     entry = make_entry(template_hash="0123456789abcdef")
-    save_entry("layernorm", H200, "d=768/float32", entry, directory=tmp_path / "tuned")
+    save_entry("layernorm", H200, "d=768/float32/m=4096", entry, directory=tmp_path / "tuned")
 
 
 def empty_tuned(tmp_path: Path, make_entry) -> None:
@@ -110,7 +110,7 @@ CASES = [
     ("corrupt-tuned", ["emit", "layernorm", "--d", "768", "--gpu", H200, "-o", "{tmp}/k"], corrupt_tuned,
      ["is corrupt", "fix it or remove it"]),
     ("stale-tuned", ["emit", "layernorm", "--d", "768", "--gpu", H200, "-o", "{tmp}/k"], stale_tuned,
-     ["is stale", "run `mage-gen tune layernorm --d 768`"]),
+     ["is stale", "run `mage-gen tune layernorm --d 768 --m 4096`"]),
     ("no-winner", ["emit", "layernorm", "--d", "768", "--gpu", H200, "-o", "{tmp}/k"], empty_tuned,
      ["no tuned layernorm kernels for NVIDIA H200", "run `mage-gen tune layernorm --d 768`"]),
     ("no-gpu-to-pick-a-winner", ["emit", "layernorm", "--d", "768", "-o", "{tmp}/k"], empty_tuned,

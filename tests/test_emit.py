@@ -1,4 +1,5 @@
-"""Emitted kernels: four files that stand alone, carry their provenance, and build with plain nvcc."""
+"""Emitted kernels: five files that stand alone, carry their provenance and build with plain nvcc; the C++
+header launches the kernel as its launch formula says."""
 
 import json
 import os
@@ -6,13 +7,14 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 import mage_gen
 from mage_gen.compile import nvrtc_version
 from mage_gen.emit import emit
-from mage_gen.errors import MageError
+from mage_gen.errors import ConfigError, MageError
 from mage_gen.ops import get_op
 from mage_gen.ops.layernorm import Params
 from mage_gen.store import save_entry
@@ -23,10 +25,15 @@ SHAPE = OP.shape(d=768)
 C_TYPES = {"out": "float*", "in": "const float*", "i32": "int", "f32": "float"}
 JINJA_LEFT = re.compile(r"\{%-?\s*(if|elif|else|endif|for|endfor|set|endset|macro|endmacro|call|endcall|"
                         r"import|from|include|filter|raw|block)\b")
-NAMES = ["layernorm_d768.cu", "layernorm_d768.ptx", "layernorm_d768.cubin", "layernorm_d768.launch.json"]
+NAMES = ["layernorm_d768.cu", "layernorm_d768.ptx", "layernorm_d768.cubin", "layernorm_d768.launch.json",
+         "layernorm_d768.h"]
+MM = get_op("matmul")
+MM_SHAPE = MM.shape(m=1024, n=1024, k=1024)
+# 4 stages of a 128×128×32 tile: 133120 B of dynamic shared memory, over the 48 KB a function gets unasked
+MM_BIG = MM.params_type(bm=128, bn=128, bk=32, tm=8, tn=8, buffers=4)
 
 
-def test_emit_writes_the_four_files_of_the_variant(tmp_path):
+def test_emit_writes_the_five_files_of_the_variant(tmp_path):
     params = Params(template="multirow", threads=64, rows_per_block=2, hint="stream")
     out = tmp_path / "new" / "kernels"  # made when missing
     paths = emit(OP, SHAPE, params, "sm_90", out, None)
@@ -84,6 +91,93 @@ def test_launch_json_round_trips(tmp_path, synthetic_entry):
     assert doc["template_hash"] == OP.source(OP.shape(d=1024), params).template_hash
 
 
+def test_launch_json_carries_the_contract(tmp_path):
+    params = Params(template="multirow", threads=64, rows_per_block=2)
+    emit(OP, SHAPE, params, "sm_90", tmp_path, None)
+    doc = json.loads((tmp_path / "layernorm_d768.launch.json").read_text())
+    assert doc["format"] == 2 and doc["size_classes"] is None
+    contract = doc["contract"]
+    assert list(contract["tensors"]) == [a.name for a in OP.args if a.kind in ("in", "out")]
+    assert contract["tensors"]["x"] == {"dtype": "float32", "shape": ["M", 768],
+                                        "layout": "row-major, contiguous, row stride 768 elements",
+                                        "alignment_bytes": 16}
+    assert contract["tensors"]["w"]["shape"] == [768]
+    assert contract["scalars"]["M"]["range"] == [1, 2**31 - 1024]
+    assert contract["scalars"]["eps"]["default"] == OP.eps == 1e-5
+    assert "y must not overlap x, w or b" in contract["aliasing"]
+    assert doc["dynamic_shared_memory"] == {"bytes": 0, "opt_in_required": False}
+
+
+@pytest.mark.parametrize("params, nbytes, opt_in", [(MM_BIG, 133120, True), (MM.params_type(), 33792, False)])
+def test_launch_json_says_when_shared_memory_needs_an_opt_in(tmp_path, params, nbytes, opt_in):
+    emit(MM, MM_SHAPE, params, "sm_90", tmp_path, None)
+    doc = json.loads((tmp_path / "matmul_m1024_n1024_k1024.launch.json").read_text())
+    shared = doc["dynamic_shared_memory"]
+    assert shared["bytes"] == doc["launch"]["dynamic_shared_bytes"] == nbytes
+    assert shared["opt_in_required"] is opt_in
+    assert ("how" in shared) is opt_in
+    if opt_in:
+        assert shared["how"] == (f"cuFuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, {nbytes}) "
+                                 "before the first launch")
+    assert doc["contract"]["scalars"] == {} and doc["contract"]["tensors"]["A"]["shape"] == [1024, 1024]
+
+
+@pytest.mark.parametrize("d, params, rows, columns", [
+    (768, Params(vector=1), 4, 4),
+    (768, Params(vector=2), 8, 8),
+    (768, Params(vector=4), 16, 16),
+    # V does not divide d: rows are peeled relative to a V-aligned base, w and b read one float at a time
+    (1001, Params(vector=2, threads=32), 8, 4),
+    (1001, Params(template="wide", vector=4, threads=32), 16, 4),
+])
+def test_layernorm_alignment_follows_the_vector_width(d, params, rows, columns):
+    tensors = OP.contract(OP.shape(d=d), params)["tensors"]
+    assert {name: t["alignment_bytes"] for name, t in tensors.items()} == {"y": rows, "x": rows, "w": columns,
+                                                                            "b": columns}
+
+
+@pytest.mark.parametrize("n, params, a, b, c", [
+    (256, MM.params_type(), 4, 16, 16),  # A transposed: 4-byte copies that scatter
+    (256, MM.params_type(a_layout="direct", a_width=8, b_width=8), 8, 8, 16),
+    (256, MM.params_type(a_layout="direct", a_width=16, b_width=4), 16, 4, 16),
+    (258, MM.params_type(b_width=8), 4, 8, 4),  # N not a multiple of 4: C is stored a float at a time
+])
+def test_matmul_alignment_follows_the_copy_and_store_widths(n, params, a, b, c):
+    tensors = MM.contract(MM.shape(m=256, n=n, k=256), params)["tensors"]
+    assert {name: t["alignment_bytes"] for name, t in tensors.items()} == {"C": c, "A": a, "B": b}
+
+
+def test_stem_and_size_classes_are_the_callers(tmp_path):
+    size_classes = {"rule": "m <= 4096: l2; else hbm",
+                    "classes": [{"m": 4096, "regime": "l2", "stem": "layernorm_d768_m4096",
+                                 "kernel": "layernorm_row_d768_t128_v4_r1_approx_nc", "objective": "hot"}]}
+    paths = emit(OP, SHAPE, Params(), "sm_90", tmp_path, None, stem="layernorm_d768_m4096",
+                 size_classes=size_classes)
+    assert [p.name for p in paths] == [name.replace("layernorm_d768", "layernorm_d768_m4096") for name in NAMES]
+    assert json.loads(paths[3].read_text())["size_classes"] == size_classes
+    header = paths[4].read_text()
+    assert "layernorm_d768_m4096_launch(" in header and "layernorm_d768_m4096_kernel_name[]" in header
+
+
+def test_a_stem_that_is_no_c_identifier_is_refused_before_anything_is_written(tmp_path):
+    with pytest.raises(ConfigError, match="stem") as raised:
+        emit(OP, SHAPE, Params(), "sm_90", tmp_path / "out", None, stem="layernorm-d768")
+    assert "\n" not in str(raised.value) and not (tmp_path / "out").exists()
+
+
+def test_header_carries_the_provenance_and_contract(tmp_path, synthetic_entry):
+    emit(OP, SHAPE, Params(), "sm_90", tmp_path, synthetic_entry())
+    header = (tmp_path / "layernorm_d768.h").read_text()
+    source_header = (tmp_path / "layernorm_d768.cu").read_text().split("\n\n", 1)[0]
+    assert header.startswith(source_header + "\n")  # the same provenance lines, timings included
+    assert 'static const char layernorm_d768_kernel_name[] = "layernorm_row_d768_t128_v4_r1_approx_nc";' in header
+    assert "cuModuleLoad" in header and "cuModuleLoadData" in header and "#include <cuda.h>" in header
+    assert ("x: float32 [M, 768], row-major, contiguous, row stride 768 elements; address a multiple of 16 bytes"
+            in header)
+    assert [line for line in header.splitlines() if line.startswith("#include")] == ["#include <cuda.h>"]
+    assert "cuFuncSetAttribute" not in header  # no opt-in where the kernel needs none
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 @pytest.mark.parametrize("d, params", [
     (768, Params()),
@@ -99,6 +193,107 @@ def test_emitted_source_builds_with_plain_nvcc(tmp_path, synthetic_entry, d, par
     assert cubin.read_bytes()[:4] == b"\x7fELF"
     # extern "C": the entry keeps its plain name, so a driver-API caller finds it by the name in launch.json
     assert OP.kernel_name(OP.shape(d=d), params).encode() + b"\0" in cubin.read_bytes()
+
+
+# A libcuda.so of the two entry points the headers call, each printing what it was given: this machine has no
+# driver, and the test is about what the header passes, not about a GPU.
+STUB_LIBCUDA = r"""
+#include <cuda.h>
+#include <stdio.h>
+
+CUresult CUDAAPI cuFuncSetAttribute(CUfunction f, CUfunction_attribute attrib, int value)
+{
+    printf("set_attribute %p %d %d\n", (void*)f, (int)attrib, value);
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
+                                unsigned int by, unsigned int bz, unsigned int shared, CUstream stream,
+                                void** params, void** extra)
+{
+    printf("launch %p grid %u %u %u block %u %u %u shared %u stream %p arg0 %p extra %p\n", (void*)f, gx, gy, gz,
+           bx, by, bz, shared, (void*)stream, *(void**)params[0], (void*)extra);
+    return CUDA_SUCCESS;
+}
+"""
+
+CALLER = r"""
+#include <stdio.h>
+#include "layernorm_d768.h"
+#include "layernorm_d768_capped.h"
+#include "matmul_m1024_n1024_k1024.h"
+
+#define CALL(label, expr) do { printf("call %s\n", label); printf("result %d\n", (int)(expr)); } while (0)
+
+int main()
+{
+    CUfunction f = (CUfunction)0x1000;
+    CUstream s = (CUstream)0x2000;
+    float* y = (float*)0x100000;
+    const float* x = (const float*)0x200000;
+    const float* w = (const float*)0x300000;
+    const float* b = (const float*)0x400000;
+    CALL("rows37", layernorm_d768_launch(f, y, x, w, b, 37, 1e-5f, s));
+    CALL("capped", layernorm_d768_capped_launch(f, y, x, w, b, 37, 1e-5f, s));
+    CALL("misaligned_x", layernorm_d768_launch(f, y, x + 1, w, b, 37, 1e-5f, s));
+    CALL("misaligned_b", layernorm_d768_launch(f, y, x, w, b + 2, 37, 1e-5f, s));
+    CALL("no_rows", layernorm_d768_launch(f, y, x, w, b, 0, 1e-5f, s));
+    CALL("matmul", matmul_m1024_n1024_k1024_launch(f, y, x, w, s));
+    return 0;
+}
+"""
+
+
+def run_checked(command: list[str], **kwargs) -> str:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, **kwargs)
+    assert done.returncode == 0, (command, done.stdout, done.stderr)
+    return done.stdout
+
+
+def calls(stdout: str) -> dict[str, list[str]]:
+    """The stub's lines between one `call LABEL` and the next, by label."""
+    out: dict[str, list[str]] = {}
+    for line in stdout.splitlines():
+        if line.startswith("call "):
+            label = line.split()[1]
+            out[label] = []
+        else:
+            out[label].append(line)
+    return out
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+def test_header_compiles_links_and_launches_as_the_formula_says(tmp_path):
+    multirow = Params(template="multirow", threads=64, rows_per_block=2)
+    capped = Params(template="multirow", threads=64, rows_per_block=2, grid_cap=8)
+    emit(OP, SHAPE, multirow, "sm_90", tmp_path, None)
+    emit(OP, SHAPE, capped, "sm_90", tmp_path, None, stem="layernorm_d768_capped")
+    emit(MM, MM_SHAPE, MM_BIG, "sm_90", tmp_path, None)
+    (tmp_path / "stub.c").write_text(STUB_LIBCUDA)
+    (tmp_path / "main.cpp").write_text(CALLER)
+    run_checked(["nvcc", "-shared", "-Xcompiler", "-fPIC", str(tmp_path / "stub.c"),
+                 "-o", str(tmp_path / "libcuda.so")])
+    # host code only, no CUDA runtime: the header needs cuda.h and libcuda and nothing else
+    run_checked(["nvcc", "-cudart", "none", "-Xcompiler", "-Wall,-Wextra,-Werror", str(tmp_path / "main.cpp"),
+                 "-I", str(tmp_path), "-L", str(tmp_path), "-lcuda", "-o", str(tmp_path / "main")])
+    stdout = run_checked([str(tmp_path / "main")], env={**os.environ, "LD_LIBRARY_PATH": str(tmp_path)})
+    got = calls(stdout)
+
+    def launched(params, m: int) -> str:
+        launch = OP.geometry(SHAPE, params, {"m": m})
+        return (f"launch 0x1000 grid {' '.join(map(str, launch.grid))} block {' '.join(map(str, launch.block))} "
+                f"shared 0 stream 0x2000 arg0 0x100000 extra (nil)")
+
+    assert OP.geometry(SHAPE, multirow, {"m": 37}).grid == (19, 1, 1)  # (37 + 1) / 2
+    assert got["rows37"] == [launched(multirow, 37), "result 0"]
+    assert OP.geometry(SHAPE, capped, {"m": 37}).grid == (8, 1, 1)  # min(19, 8)
+    assert got["capped"] == [launched(capped, 37), "result 0"]
+    invalid = f"result {1}"  # CUDA_ERROR_INVALID_VALUE, and cuLaunchKernel never reached
+    assert got["misaligned_x"] == got["misaligned_b"] == got["no_rows"] == [invalid]
+    # the opt-in (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8) comes first, at the launch's size
+    assert got["matmul"] == ["set_attribute 0x1000 8 133120",
+                             "launch 0x1000 grid 8 8 1 block 256 1 1 shared 133120 stream 0x2000 arg0 0x100000 "
+                             "extra (nil)", "result 0"]
 
 
 def test_unwritable_out_dir_is_a_one_line_error(tmp_path):
@@ -145,26 +340,60 @@ def assert_one_line_error(done, says):
 def test_cli_emits_this_gpus_winner(tmp_path, synthetic_entry):
     # a SYNTHETIC entry: real census and template hash, made-up timings
     winner = {"template": "multirow", "threads": 64, "rows_per_block": 2, "hint": "stream"}
-    save_entry("layernorm", "NVIDIA H200", "d=768/float32", synthetic_entry(params=winner), directory=tmp_path / "tuned")
+    save_entry("layernorm", "NVIDIA H200", "d=768/float32/m=4096", synthetic_entry(params=winner, run={"m": 4096}),
+               directory=tmp_path / "tuned")
     out = tmp_path / "out"
     done = mage_gen_cli("emit", "layernorm", "--d", "768", "-o", str(out), tuned=tmp_path / "tuned",
                         gpu="NVIDIA H200")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines() == [str(out / name) for name in NAMES]
-    doc = json.loads((out / "layernorm_d768.launch.json").read_text())
+    assert done.stdout.splitlines() == [str(out / name.replace("_d768", "_d768_m4096")) for name in NAMES]
+    doc = json.loads((out / "layernorm_d768_m4096.launch.json").read_text())
     assert doc["kernel"] == "layernorm_multirow_d768_t64_v4_r2_approx_stream"
     assert doc["provenance"]["gpu"]["name"] == "NVIDIA H200"
-    assert "5.120 us median" in (out / "layernorm_d768.cu").read_text()
+    assert doc["size_classes"]["classes"] == [{"m": 4096, "regime": "l2", "stem": "layernorm_d768_m4096",
+                                               "kernel": doc["kernel"], "objective": "hot"}]
+    assert "5.120 us median" in (out / "layernorm_d768_m4096.cu").read_text()
+
+
+def test_cli_emits_every_size_class_or_the_one_that_serves_m(tmp_path, synthetic_entry):
+    # SYNTHETIC entries of two size classes
+    tuned = tmp_path / "tuned"
+    save_entry("layernorm", "NVIDIA H200", "d=768/float32/m=4096", synthetic_entry(run={"m": 4096}), directory=tuned)
+    save_entry("layernorm", "NVIDIA H200", "d=768/float32/m=65536",
+               synthetic_entry(params={"template": "row", "threads": 96, "vector": 2}, run={"m": 65536}),
+               directory=tuned)
+    done = mage_gen_cli("emit", "layernorm", "--d", "768", "-o", str(tmp_path / "all"), tuned=tuned,
+                        gpu="NVIDIA H200")
+    assert done.returncode == 0, done.stderr
+    stems = sorted({Path(line).name.split(".")[0] for line in done.stdout.splitlines()})
+    assert stems == ["layernorm_d768_m4096", "layernorm_d768_m65536"]
+    doc = json.loads((tmp_path / "all" / "layernorm_d768_m65536.launch.json").read_text())
+    assert doc["kernel"] == "layernorm_row_d768_t96_v2_r1_approx_nc"
+    assert [(c["m"], c["regime"]) for c in doc["size_classes"]["classes"]] == [(4096, "l2"), (65536, "dram")]
+    assert "L2" in doc["size_classes"]["rule"]
+    one = mage_gen_cli("emit", "layernorm", "--d", "768", "--m", "20000", "-o", str(tmp_path / "one"), tuned=tuned,
+                       gpu="NVIDIA H200")
+    assert one.returncode == 0, one.stderr
+    assert sorted(p.name for p in (tmp_path / "one").iterdir()) == sorted(
+        name.replace("_d768", "_d768_m65536") for name in NAMES)
+
+
+def test_cli_emits_an_untuned_matmul_shape_with_the_nearest_tuned_params_and_says_so(tmp_path, synthetic_entry):
+    done = mage_gen_cli("emit", "matmul", "--m", "1000", "--n", "1024", "--k", "1024", "-o", str(tmp_path / "k"),
+                        tuned=Path(__file__).resolve().parent.parent / "tuned", gpu="NVIDIA H200")
+    assert done.returncode == 0, done.stderr
+    assert "nearest tuned shape {'m': 1024, 'n': 1024, 'k': 1024}" in " ".join(done.stderr.split())
+    assert json.loads((tmp_path / "k" / "matmul_m1000_n1024_k1024.launch.json").read_text())["provenance"] is None
 
 
 def test_cli_gpu_option_beats_the_environment_and_out_defaults_to_kernels(tmp_path, synthetic_entry):
     # a SYNTHETIC entry for another GPU model
-    save_entry("layernorm", "NVIDIA GeForce RTX 4090", "d=768/float32", synthetic_entry(),
+    save_entry("layernorm", "NVIDIA GeForce RTX 4090", "d=768/float32/m=4096", synthetic_entry(run={"m": 4096}),
                directory=tmp_path / "tuned")
     done = mage_gen_cli("emit", "layernorm", "--d", "768", "--gpu", "NVIDIA GeForce RTX 4090",
                         gpu="NVIDIA H200", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert (tmp_path / "kernels" / "layernorm_d768.cubin").is_file()
+    assert (tmp_path / "kernels" / "layernorm_d768_m4096.cubin").is_file()
 
 
 def test_cli_config_needs_no_gpu_and_gives_no_timings(tmp_path):

@@ -21,7 +21,7 @@ from mage_gen.store import load_entry
 
 RECORDING = Path(__file__).parent / "fixtures" / "layernorm_trials_h200_d768_m4096.json"
 H200 = "NVIDIA H200"
-KEY = "d=768/float32"
+KEY = "d=768/float32/m=4096"
 FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)
 
 
@@ -118,7 +118,7 @@ def test_killed_mid_study_then_rerun_loses_nothing_and_measures_nothing_twice(tm
     assert entry["search"]["reused"] == measured_before and entry["search"]["measured"] == 40 - measured_before
     complete = {key: value for key, state, value in after.values() if key and state == "COMPLETE"}
     assert json.dumps(entry["params"], sort_keys=True) in complete
-    launch = json.loads((tmp_path / "k" / "layernorm_d768.launch.json").read_text())
+    launch = json.loads((tmp_path / "k" / "layernorm_d768_m4096.launch.json").read_text())
     assert launch["kernel"] == entry["kernel"] and launch["provenance"]["date"] == entry["date"]
 
 

@@ -50,7 +50,7 @@ def test_round_trip(tmp_path, synthetic_entry):
     assert path == tmp_path / "h200" / "layernorm.json"
     assert load_entry("layernorm", H200, KEY, directory=tmp_path) == json.loads(json.dumps(entry))
     doc = json.loads(path.read_text())
-    assert doc["format"] == 1 and doc["op"] == "layernorm" and doc["gpu"] == H200 and list(doc["entries"]) == [KEY]
+    assert doc["format"] == 2 and doc["op"] == "layernorm" and doc["gpu"] == H200 and list(doc["entries"]) == [KEY]
     # readable diffs: sorted keys, two-space indent
     assert path.read_text() == json.dumps(doc, indent=2, sort_keys=True) + "\n"
     assert leftovers(tmp_path) == []
@@ -79,7 +79,7 @@ def test_saving_one_shape_keeps_the_others(tmp_path, synthetic_entry):
 @pytest.mark.parametrize("content, says", [
     ("{ not json", "not JSON"),
     ("[1, 2]", "not a JSON object"),
-    ('{"format": 2, "op": "layernorm", "entries": {}}', "format 2"),
+    ('{"format": 3, "op": "layernorm", "entries": {}}', "format 3"),
     ('{"format": 1, "op": "softmax", "entries": {}}', "op 'softmax'"),
     ('{"format": 1, "op": "layernorm", "entries": []}', "'entries' is not an object"),
 ])

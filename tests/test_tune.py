@@ -26,7 +26,7 @@ from mage_gen.errors import CompileError, ConfigError, MageError
 from mage_gen.ops import get_op
 from mage_gen.ops.layernorm import LayerNorm
 from mage_gen.space import Space, expand, load_space
-from mage_gen.store import load_entry, load_winner, save_entry
+from mage_gen.store import entry_key, load_entry, load_winner, save_entry
 from mage_gen.timing import Timing
 from mage_gen.tune import EXHAUSTIVE_LIMIT, FINALISTS, tune
 from mage_gen.variants import build_all
@@ -429,8 +429,8 @@ def test_entry_round_trips_through_the_store_and_matches_the_recording(small_run
     backend, result, _ = small_run
     held = by_kernel(recording_doc)
     entry = result.entry(OP, SHAPE, RUN, backend.device, "hot")
-    save_entry(OP.name, backend.device["name"], OP.shape_key(SHAPE), entry, directory=tmp_path)
-    loaded = load_entry(OP.name, H200, "d=768/float32", directory=tmp_path)
+    save_entry(OP.name, backend.device["name"], entry_key(OP, SHAPE, RUN), entry, directory=tmp_path)
+    loaded = load_entry(OP.name, H200, "d=768/float32/m=4096", directory=tmp_path)
     assert loaded == json.loads(json.dumps(entry))
     assert load_winner(OP, SHAPE, H200, directory=tmp_path).params == result.winner.params  # not stale
     w = held[loaded["kernel"]]
@@ -460,13 +460,13 @@ def test_cli_tune_from_a_recording_stores_and_emits_the_winner(recording_path, r
                     "--storage", sqlite(tmp_path), "--out", str(tmp_path / "k"), env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     doc = json.loads((tmp_path / "tuned" / "h200" / "layernorm.json").read_text())
-    entry = doc["entries"]["d=768/float32"]
+    entry = doc["entries"]["d=768/float32/m=4096"]
     winner = entry["kernel"]
     winner_line = next(line for line in done.stdout.splitlines() if "winner" in line and "layernorm_" in line)
     assert winner in winner_line
     emitted = sorted(p.name for p in (tmp_path / "k").iterdir())
-    assert emitted == sorted(f"layernorm_d768{ext}" for ext in (".cu", ".ptx", ".cubin", ".launch.json"))
-    assert json.loads((tmp_path / "k" / "layernorm_d768.launch.json").read_text())["kernel"] == winner
+    assert emitted == sorted(f"layernorm_d768_m4096{ext}" for ext in (".cu", ".ptx", ".cubin", ".launch.json", ".h"))
+    assert json.loads((tmp_path / "k" / "layernorm_d768_m4096.launch.json").read_text())["kernel"] == winner
     # the stored winner is one of the study's measured configs: the best of them, or tied with it
     (name,) = optuna.get_all_study_names(storage=sqlite(tmp_path))
     assert name.startswith("layernorm-d768-m4096-NVIDIA_H200-sm_90-hot-quick-")
@@ -482,9 +482,9 @@ def test_cli_tune_from_a_recording_stores_and_emits_the_winner(recording_path, r
     again = mage_gen("emit", "layernorm", "--d", "768", "--gpu", H200, "-o", str(tmp_path / "e"), env=env,
                      cwd=tmp_path)
     assert again.returncode == 0, again.stderr
-    launch = json.loads((tmp_path / "e" / "layernorm_d768.launch.json").read_text())
+    launch = json.loads((tmp_path / "e" / "layernorm_d768_m4096.launch.json").read_text())
     assert launch["kernel"] == winner and launch["provenance"]["kernel"] == winner
-    cubin = "layernorm_d768.cubin"
+    cubin = "layernorm_d768_m4096.cubin"
     assert (tmp_path / "e" / cubin).read_bytes() == (tmp_path / "k" / cubin).read_bytes()
 
 

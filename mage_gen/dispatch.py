@@ -1,0 +1,81 @@
+"""Which tuned entry serves a launch. An op whose kernels take a size at launch (layer norm's M) is tuned
+at one or more run sizes, and tuned/ keeps one entry per size class: the run size it was tuned at. A
+launch of any size takes the class that RULE picks. An op whose sizes are all fixed at generation
+(matmul) has one entry per shape; a shape with none borrows the params of the nearest tuned shape that
+they are valid for, and where there is none the op's default config.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mage_gen.errors import ConfigError
+from mage_gen.ops import Op
+
+RULE = ("the entries on the launch's side of the L2 size first (the bytes a launch must move at most the "
+        "GPU's L2: L2-resident; more: DRAM-bound), of those the one tuned at the nearest run size on a log "
+        "scale (the larger on a tie); where no entry is on the launch's side, the nearest of all")
+# --m auto: the L2-resident size fills at most this share of the L2, the DRAM-bound one at least this many L2s,
+# so that neither sits near the boundary where hot and cold timings blur.
+AUTO_L2_SHARE = 0.5
+AUTO_DRAM_L2S = 4
+
+
+@dataclass(frozen=True)
+class SizeClass:
+    key: str  # the tuned/ entry
+    run: dict[str, int]  # the run size it was tuned at
+
+
+def regime(op: Op, shape: Any, run: dict[str, int], l2_bytes: int) -> str:
+    return "l2" if op.bytes_moved(shape, run) <= l2_bytes else "dram"
+
+
+def _distance(a: dict[str, int], b: dict[str, int]) -> float:
+    return sum(abs(math.log(a[k] / b[k])) for k in a)
+
+
+def choose(op: Op, shape: Any, run: dict[str, int], classes: Sequence[SizeClass], l2_bytes: int) -> SizeClass:
+    """The class RULE picks for a launch of `run`."""
+    if not classes:
+        raise ValueError("choose() needs at least one size class")
+    side = regime(op, shape, run, l2_bytes)
+    same_side = [c for c in classes if regime(op, shape, c.run, l2_bytes) == side]
+    pool = same_side or list(classes)
+    return min(pool, key=lambda c: (_distance(run, c.run), [-c.run[k] for k in sorted(c.run)]))
+
+
+def auto_runs(op: Op, shape: Any, l2_bytes: int) -> list[dict[str, int]]:
+    """--m auto: the largest power-of-two M whose bytes fill at most AUTO_L2_SHARE of the L2, and the smallest
+    whose bytes are at least AUTO_DRAM_L2S times the L2."""
+    if op.run_dims != ("m",):
+        raise ConfigError(f"m-auto: {op.name} takes no run size at launch; give its sizes")
+    small = 1
+    while op.bytes_moved(shape, {"m": small * 2}) <= AUTO_L2_SHARE * l2_bytes:
+        small *= 2
+    large = small
+    while op.bytes_moved(shape, {"m": large}) < AUTO_DRAM_L2S * l2_bytes:
+        large *= 2
+    runs = [{"m": small}, {"m": large}]
+    for run in runs:
+        op.check_run(run)
+    return runs
+
+
+def nearest_shape(op: Op, shape: Any, tuned: dict[Any, Any]) -> tuple[Any, Any] | None:
+    """(tuned shape, its params) nearest to `shape` on a log scale among those whose params are valid for
+    `shape`, or None. `tuned` maps each tuned shape to its params."""
+    usable = []
+    for other, params in tuned.items():
+        try:
+            op.validate(shape, params)
+        except ConfigError:
+            continue
+        usable.append((_distance(vars(shape), vars(other)), sorted(vars(other).items()), other, params))
+    if not usable:
+        return None
+    _, _, other, params = min(usable, key=lambda u: (u[0], u[1]))
+    return other, params

@@ -1,0 +1,112 @@
+"""Size classes: which tuned entry serves a launch, --m auto, nearest-shape lookup, and tuned/ keys."""
+
+import json
+
+import pytest
+
+from mage_gen import dispatch
+from mage_gen.ops import get_op
+from mage_gen.store import entry_key, load_winner, load_winners, save_entry
+
+LN, MM = get_op("layernorm"), get_op("matmul")
+H200 = "NVIDIA H200"
+L2 = 60 << 20
+D768 = LN.shape(d=768)
+
+
+def classes(*ms):
+    return [dispatch.SizeClass(f"m={m}", {"m": m}) for m in ms]
+
+
+@pytest.mark.parametrize("m, picked", [
+    (1, 4096), (37, 4096), (512, 4096), (4096, 4096), (8192, 4096),  # x and y fit the L2: the L2 class
+    (16384, 65536), (65536, 65536), (262144, 65536),  # DRAM-bound: the DRAM class, however near 4096 is
+])
+def test_a_launch_takes_the_class_on_its_side_of_the_l2(m, picked):
+    assert dispatch.choose(LN, D768, {"m": m}, classes(4096, 65536), L2).run == {"m": picked}
+
+
+def test_on_one_side_the_nearest_tuned_size_wins_on_a_log_scale():
+    # 2048 is 2× from 1024 and 2× from 4096: a tie goes to the larger
+    assert dispatch.choose(LN, D768, {"m": 2048}, classes(1024, 4096), L2).run == {"m": 4096}
+    assert dispatch.choose(LN, D768, {"m": 1500}, classes(1024, 4096), L2).run == {"m": 1024}
+
+
+def test_with_no_class_on_its_side_a_launch_takes_the_nearest_of_all():
+    assert dispatch.choose(LN, D768, {"m": 262144}, classes(512, 4096), L2).run == {"m": 4096}
+    assert dispatch.choose(LN, D768, {"m": 1}, classes(65536, 32768), L2).run == {"m": 32768}
+
+
+def test_the_boundary_is_the_l2_size_read_from_the_caller():
+    # 4096×768 moves 25 MB: L2-resident on a 60 MB L2, DRAM-bound on a 16 MB one
+    assert dispatch.choose(LN, D768, {"m": 4096}, classes(1024, 65536), L2).run == {"m": 1024}
+    assert dispatch.choose(LN, D768, {"m": 4096}, classes(1024, 65536), 16 << 20).run == {"m": 65536}
+
+
+@pytest.mark.parametrize("d, l2, expected", [(768, L2, [4096, 65536]), (4096, L2, [512, 8192]),
+                                             (768, 16 << 20, [1024, 16384])])
+def test_auto_is_one_size_well_inside_the_l2_and_one_well_outside(d, l2, expected):
+    shape = LN.shape(d=d)
+    runs = dispatch.auto_runs(LN, shape, l2)
+    assert [r["m"] for r in runs] == expected
+    small, large = (LN.bytes_moved(shape, r) for r in runs)
+    assert small <= dispatch.AUTO_L2_SHARE * l2 < LN.bytes_moved(shape, {"m": 2 * runs[0]["m"]})
+    assert large >= dispatch.AUTO_DRAM_L2S * l2 > LN.bytes_moved(shape, {"m": runs[1]["m"] // 2})
+
+
+def test_auto_is_refused_for_an_op_with_no_run_size():
+    with pytest.raises(Exception, match="m-auto"):
+        dispatch.auto_runs(MM, MM.shape(m=64, n=64, k=64), L2)
+
+
+def test_nearest_shape_skips_params_invalid_for_the_shape_and_prefers_the_closest():
+    default = MM.params_from_dict({})
+    tuned = {MM.shape(m=1024, n=1024, k=1024): default, MM.shape(m=4096, n=4096, k=4096): default}
+    other, params = dispatch.nearest_shape(MM, MM.shape(m=1000, n=1024, k=1024), tuned)
+    assert vars(other) == {"m": 1024, "n": 1024, "k": 1024} and params == default
+    # 16-byte B copies cannot serve N = 255: no tuned shape's params are valid there
+    assert dispatch.nearest_shape(MM, MM.shape(m=128, n=255, k=64), tuned) is None
+
+
+def test_entry_keys_carry_the_size_class_only_for_ops_sized_at_launch():
+    assert entry_key(LN, D768, {"m": 65536}) == "d=768/float32/m=65536"
+    assert entry_key(MM, MM.shape(m=8, n=16, k=32), {}) == "m=8,n=16,k=32/float32"
+
+
+def store_two_classes(tmp_path, synthetic_entry):
+    small = synthetic_entry(run={"m": 4096})
+    large = synthetic_entry(params={"template": "row", "threads": 96, "vector": 2}, run={"m": 65536})
+    save_entry("layernorm", H200, entry_key(LN, D768, {"m": 4096}), small, directory=tmp_path)
+    save_entry("layernorm", H200, entry_key(LN, D768, {"m": 65536}), large, directory=tmp_path)
+
+
+def test_winners_of_every_class_and_the_one_a_launch_takes(tmp_path, synthetic_entry):
+    store_two_classes(tmp_path, synthetic_entry)
+    winners = load_winners(LN, D768, H200, tmp_path)
+    assert [w.run for w in winners] == [{"m": 4096}, {"m": 65536}]
+    assert load_winner(LN, D768, H200, {"m": 37}, tmp_path).params.threads == 128
+    assert load_winner(LN, D768, H200, {"m": 100000}, tmp_path).params.threads == 96
+    # 12000 rows move 74 MB: DRAM-bound beside the 50 MiB L2 the entries record, L2-resident beside 1 GiB,
+    # where the nearer tuned size (4096) takes it
+    assert load_winner(LN, D768, H200, {"m": 12000}, tmp_path).params.threads == 96
+    assert load_winner(LN, D768, H200, {"m": 12000}, tmp_path, l2_bytes=1 << 30).params.threads == 128
+
+
+def test_a_format_1_file_is_read_with_size_classes_and_rewritten_as_format_2(tmp_path, synthetic_entry):
+    path = tmp_path / "h200" / "layernorm.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"format": 1, "op": "layernorm", "gpu": H200,
+                                "entries": {"d=768/float32": synthetic_entry(run={"m": 4096})}}))
+    assert [w.key for w in load_winners(LN, D768, H200, tmp_path)] == ["d=768/float32/m=4096"]
+    save_entry("layernorm", H200, "d=1024/float32/m=4096", synthetic_entry(d=1024, run={"m": 4096}),
+               directory=tmp_path)
+    doc = json.loads(path.read_text())
+    assert doc["format"] == 2 and sorted(doc["entries"]) == ["d=1024/float32/m=4096", "d=768/float32/m=4096"]
+
+
+def test_the_committed_winners_are_keyed_by_size_class():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "tuned"
+    for winner in load_winners(LN, D768, H200, root):
+        assert winner.key == entry_key(LN, D768, winner.run)
