@@ -23,3 +23,7 @@ class GpuError(MageError):
 
 class StoreError(MageError):
     """tuned/ holds something that cannot be used (corrupt, stale, or missing)."""
+
+
+class LaunchError(MageError, ValueError):
+    """Arguments a kernel cannot be launched with (shape, dtype, alignment, size); the message names the argument."""

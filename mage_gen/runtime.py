@@ -1,0 +1,188 @@
+"""Tuned kernels called from a program, on raw device pointers: no torch needed.
+
+    from mage_gen import runtime
+    runtime.layer_norm(y, x, w, b, m=4096, d=768, eps=1e-5, stream=0)   # y, x, w, b: device addresses
+
+The kernel for a launch is this GPU's tuned entry for the shape, of the size class dispatch.RULE picks for
+the run size; a shape with no usable entry compiles a default config (NVRTC, cached on disk) and warns once.
+A kernel is loaded once per CUDA context (the calling thread's current one; the device's primary context
+where it has none) and launched on the stream given. Uses store, compile and gpu only: importing it costs
+what a launch needs, never Optuna, the measuring code or the peers.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from mage_gen import dispatch, gpu
+from mage_gen.compile import compile_source
+from mage_gen.errors import ConfigError, LaunchError, StoreError
+from mage_gen.ops import Op, get_op
+from mage_gen.resources import data_dir
+from mage_gen.store import Winner, load_winners, store_file, tuned_dir
+
+# Where a shape has no tuned entry: the first of these the op accepts (validate), in this order.
+DEFAULT_CANDIDATES = {
+    "layernorm": [{"template": "row", "threads": t, "vector": v} for v in (4, 2, 1) for t in (128, 256, 512, 1024, 64, 32)]
+                 + [{"template": "wide", "threads": t, "vector": v} for v in (4, 1) for t in (1024, 256, 32)],
+    "matmul": [{}],
+}
+
+
+class UntunedKernelWarning(UserWarning):
+    """A launch runs a default config: nothing is tuned for its shape on this GPU."""
+
+
+class Prepared:
+    """One kernel's launch for one shape and run size, in one context: computed once, then each launch only
+    checks the addresses, writes the argument values in place and enqueues."""
+
+    def __init__(self, op: Op, shape: Any, params: Any, run: dict[str, int], kernel: gpu.Kernel, source: str):
+        launch_geometry = op.geometry(shape, params, run)
+        self.kernel, self.source = kernel, source
+        self.grid, self.block = launch_geometry.grid, launch_geometry.block
+        self.shared = launch_geometry.dynamic_shared_bytes
+        self.op_name = op.name
+        self.arg_names = tuple(a.name for a in op.args)
+        kinds = ["ptr" if a.kind in ("in", "out") else a.kind for a in op.args]
+        contract = op.contract(shape, params)["tensors"]
+        self.alignments = {name: int(t["alignment_bytes"]) for name, t in contract.items()}
+        self._pointers = [(i, a.name, self.alignments[a.name]) for i, a in enumerate(op.args) if a.kind in ("in", "out")]
+        self._launch = gpu.FixedLaunch(kernel, self.grid, self.block, self.shared, kinds)
+        self._lock = threading.Lock()  # the argument values are shared by every thread launching this kernel
+
+    def launch(self, values: Sequence[int | float], stream: int) -> None:
+        """values: every kernel argument in launch order (addresses for the tensors)."""
+        for index, name, align in self._pointers:
+            address = values[index]
+            if not address or address % align:
+                check_alignment(self.op_name, {name: align}, {name: address})
+        with self._lock:
+            self._launch.launch(values, stream)
+
+
+_prepared: dict[tuple, Prepared] = {}
+_modules: dict[tuple[int, str], gpu.Kernel] = {}  # (context, compile cache key) -> its loaded kernel
+_warned: set[tuple] = set()
+
+
+def tuned_dirs() -> list[Path]:
+    """Where winners are looked up, first match wins: $MAGE_GEN_TUNED (or ./tuned), then those shipped with
+    mage-gen."""
+    dirs = [tuned_dir()]
+    try:
+        shipped = data_dir("tuned")
+    except FileNotFoundError:
+        return dirs
+    return dirs + ([shipped] if shipped.resolve() != dirs[0].resolve() else [])
+
+
+def layer_norm(y: int, x: int, w: int, b: int, m: int, d: int, eps: float = 1e-5, stream: int = 0, *,
+               device: int = 0) -> None:
+    """y = (x − mean)·rstd·w + b over each of m rows of d float32s; pointers are device addresses. device: the
+    GPU whose primary context is made current where the calling thread has no context."""
+    launch("layernorm", {"d": d}, {"m": m}, {"y": y, "x": x, "w": w, "b": b}, {"M": m, "eps": eps}, stream,
+           device=device)
+
+
+def matmul(c: int, a: int, b: int, m: int, n: int, k: int, stream: int = 0, *, device: int = 0) -> None:
+    """C = A·B, float32 row-major, for an (m, n, k) tuned on this GPU; other shapes are refused."""
+    launch("matmul", {"m": m, "n": n, "k": k}, {}, {"C": c, "A": a, "B": b}, {}, stream, device=device,
+           tuned_only=True)
+
+
+def launch(op_name: str, dims: dict[str, int], run: dict[str, int], pointers: dict[str, int],
+           scalars: dict[str, int | float], stream: int = 0, *, device: int = 0, tuned_only: bool = False) -> None:
+    """Launch op's kernel for this shape and run size on `stream` of the current context."""
+    prepared = prepare(op_name, dims, run, device=device, tuned_only=tuned_only)
+    prepared.launch([pointers[name] if name in pointers else scalars[name] for name in prepared.arg_names], stream)
+
+
+def prepare(op_name: str, dims: dict[str, int], run: dict[str, int], *, device: int = 0,
+            tuned_only: bool = False) -> Prepared:
+    """The launch for this shape and run size in the calling thread's current context (device `device`'s
+    primary context where the thread has none): chosen, compiled and loaded on first use, then cached."""
+    context = gpu.current_context()
+    if not context:  # a thread with no context: the device's primary one, as torch and the runtime API use
+        gpu.device_info(device)
+        gpu.make_primary_current(device)
+        context = gpu.current_context()
+    key = (context, op_name, tuple(dims.items()), tuple(run.items()))
+    prepared = _prepared.get(key)
+    if prepared is None:
+        prepared = _prepared[key] = _prepare(get_op(op_name), dims, run, context, tuned_only)
+    return prepared
+
+
+def check_alignment(op_name: str, alignments: dict[str, int], pointers: dict[str, int]) -> None:
+    """Refuse a null or misaligned address before the launch: the kernel would fault or read the wrong words."""
+    for name, align in alignments.items():
+        address = pointers[name]
+        if not address or address % align:
+            raise LaunchError(f"{op_name}: {name} at {address:#x} is not a device address aligned to {align} bytes, "
+                              "which this kernel's vector accesses need; pass a tensor that starts its storage, "
+                              "or copy it (.clone())")
+
+
+def _prepare(op: Op, dims: dict[str, int], run: dict[str, int], context: int, tuned_only: bool) -> Prepared:
+    try:
+        shape = op.shape(**dims)
+        if op.run_dims:
+            op.check_run(run)
+    except ConfigError as exc:
+        raise LaunchError(f"{op.name}: {exc}") from None
+    device = gpu.device_info(gpu.current_device())
+    params, source = _choose(op, shape, run, device, tuned_only)
+    compiled = compile_source(op.source(shape, params), device.arch)
+    kernel = _modules.get((context, compiled.key))
+    if kernel is None:
+        kernel = _modules[(context, compiled.key)] = gpu.Kernel(
+            compiled.cubin, compiled.kernel_name, op.geometry(shape, params, run).dynamic_shared_bytes)
+    return Prepared(op, shape, params, run, kernel, source)
+
+
+def _choose(op: Op, shape: Any, run: dict[str, int], device: gpu.DeviceInfo, tuned_only: bool) -> tuple[Any, str]:
+    """(params, where they came from): the tuned class dispatch.RULE picks, else a default config."""
+    why = ""
+    for folder in tuned_dirs():
+        if not store_file(op.name, device.name, folder).exists():
+            continue
+        try:
+            winners = load_winners(op, shape, device.name, folder)
+        except StoreError as exc:
+            why = str(exc)
+            continue
+        chosen = _pick(op, shape, run, winners, device.l2_bytes)
+        return chosen.params, f"tuned {chosen.key} in {chosen.path}"
+    if tuned_only:
+        raise LaunchError(f"{op.name}: no tuned kernel for {vars(shape)} on {device.name} "
+                          f"({why or 'none in ' + ', '.join(map(str, tuned_dirs()))}); tune it with mage-gen tune")
+    params = _default_params(op, shape)
+    if (op.name, shape) not in _warned:
+        _warned.add((op.name, shape))
+        warnings.warn(f"mage-gen: no tuned {op.name} kernel for {vars(shape)} on {device.name} "
+                      f"({why or 'none stored'}); running the default config {op.params_to_dict(params)}, "
+                      "compiled once and cached: tune it for a measured winner", UntunedKernelWarning, stacklevel=5)
+    return params, "default config"
+
+
+def _pick(op: Op, shape: Any, run: dict[str, int], winners: list[Winner], l2_bytes: int) -> Winner:
+    if len(winners) == 1:
+        return winners[0]
+    chosen = dispatch.choose(op, shape, run, [dispatch.SizeClass(w.key, w.run or {}) for w in winners], l2_bytes)
+    return next(w for w in winners if w.key == chosen.key)
+
+
+def _default_params(op: Op, shape: Any) -> Any:
+    for values in DEFAULT_CANDIDATES.get(op.name, [{}]):
+        params = op.params_from_dict(values)
+        try:
+            op.validate(shape, params)
+        except ConfigError:
+            continue
+        return params
+    raise LaunchError(f"{op.name}: no default config is valid for {vars(shape)}; tune it with mage-gen tune")

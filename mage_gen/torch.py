@@ -1,0 +1,200 @@
+"""mage-gen's tuned kernels as PyTorch ops.
+
+    from mage_gen.torch import layer_norm, matmul
+    y = layer_norm(x, weight, bias, eps=1e-5)   # x: (..., d) float32 CUDA; weight, bias: (d,)
+    c = matmul(a, b)                            # a: (M, K), b: (K, N) float32 CUDA, a tuned (M, N, K)
+
+Both are torch.library custom ops (mage_gen::layer_norm, mage_gen::matmul) with fake implementations, so
+torch.compile(fullgraph=True) keeps them in its graph. They launch through mage_gen.runtime on torch's
+current stream (inside torch.cuda.graph capture too). In eager mode, with plain tensors and no dispatch mode
+active, the wrappers call the implementation directly: the dispatcher's round trip would cost more than the
+kernel at small sizes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from mage_gen import gpu, runtime
+from mage_gen.errors import GpuError, LaunchError
+from mage_gen.ops.layernorm import MAX_ROWS
+
+
+def _check_tensor(fn: str, name: str, t: torch.Tensor, device: torch.device | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.requires_grad and torch.is_grad_enabled():
+        # The kernels have no backward: an output with no grad_fn would silently stop gradients here.
+        raise LaunchError(f"{fn}: {name} requires grad, and this op has no backward; call it under "
+                          f"torch.no_grad() or torch.inference_mode(), or detach {name}")
+    if t.dtype != torch.float32:
+        raise TypeError(f"{fn}: {name} must be float32, got {t.dtype}; convert it with {name}.float()")
+    if t.device.type != "cuda":
+        raise LaunchError(f"{fn}: {name} must be on a CUDA device, got {t.device}; move it with {name}.cuda()")
+    if device is not None and t.device != device:
+        raise LaunchError(f"{fn}: {name} is on {t.device} but x is on {device}; put them on one device")
+    if not t.is_contiguous():
+        raise LaunchError(f"{fn}: {name} must be contiguous (strides {tuple(t.stride())}); "
+                          f"pass {name}.contiguous()")
+
+
+def _check_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> tuple[int, int]:
+    # The common case in one expression (an eager call's checks are a good part of its cost); anything else
+    # goes through the checks below, which name what is wrong.
+    d = x.shape[-1] if x.dim() else 0
+    if (x.dtype is torch.float32 and weight.dtype is torch.float32 and bias.dtype is torch.float32 and x.is_cuda
+            and x.get_device() == weight.get_device() == bias.get_device()
+            and x.is_contiguous() and weight.is_contiguous() and bias.is_contiguous()
+            and weight.shape == (d,) and bias.shape == (d,) and d > 0 and 0 < x.numel() // d <= MAX_ROWS
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad))):
+        return x.numel() // d, d
+    fn = "mage_gen.torch.layer_norm"
+    _check_tensor(fn, "x", x)
+    for name, t in (("weight", weight), ("bias", bias)):
+        _check_tensor(fn, name, t, x.device)
+    if x.dim() < 1:
+        raise LaunchError(f"{fn}: x must have at least one dimension (rows × d), got a 0-d tensor")
+    d = x.shape[-1]
+    for name, t in (("weight", weight), ("bias", bias)):
+        if tuple(t.shape) != (d,):
+            raise LaunchError(f"{fn}: {name} must have shape ({d},) to match x's last dimension, got {tuple(t.shape)}")
+    m = x.numel() // d if d else 0
+    if m < 1 or d < 1:
+        raise LaunchError(f"{fn}: x has shape {tuple(x.shape)}: no rows to normalize (M = {m}, d = {d}); "
+                          "give at least one row of at least one element")
+    if m > MAX_ROWS:
+        raise LaunchError(f"{fn}: x has {m} rows, more than the {MAX_ROWS} a launch takes; split it")
+    return m, d
+
+
+@torch.library.custom_op("mage_gen::layer_norm", mutates_args=())
+def _layer_norm_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    return _layer_norm_impl(x, weight, bias, eps)
+
+
+@_layer_norm_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    _check_layer_norm(x, weight, bias)
+    return torch.empty_like(x)
+
+
+def _layer_norm_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    m, d = _check_layer_norm(x, weight, bias)
+    if out is None:
+        y = torch.empty_like(x)
+    else:
+        _check_out(x, out)
+        if any(_overlap(out, t) for t in (x, weight, bias)):
+            raise LaunchError("mage_gen.torch.layer_norm: out overlaps an input; the kernel reads each input "
+                              "while it writes out, so give out its own memory")
+        y = out
+    index = x.get_device()
+    prepared = _launches.get((index, "layernorm", d, m)) or _prepare(index, "layernorm", {"d": d}, {"m": m})
+    _launch(prepared, index, (y.data_ptr(), x.data_ptr(), weight.data_ptr(), bias.data_ptr(), m, float(eps)))
+    return y
+
+
+def _check_out(x: torch.Tensor, out: torch.Tensor) -> None:
+    _check_tensor("mage_gen.torch.layer_norm", "out", out, x.device)
+    if out.shape != x.shape:
+        raise LaunchError(f"mage_gen.torch.layer_norm: out must have x's shape {tuple(x.shape)}, got "
+                          f"{tuple(out.shape)}")
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    start_a, start_b = a.data_ptr(), b.data_ptr()
+    return start_a < start_b + b.numel() * b.element_size() and start_b < start_a + a.numel() * a.element_size()
+
+
+# (device index, op, shape, run size) -> its launch in the device's primary context, the one torch uses
+_launches: dict[tuple, runtime.Prepared] = {}
+
+
+def _launch(prepared: runtime.Prepared, index: int, values: tuple) -> None:
+    if index != torch._C._cuda_getDevice():  # initialized: the tensors are on the device
+        with torch.cuda.device(index):
+            return _launch(prepared, index, values)
+    stream = torch._C._cuda_getCurrentRawStream(index)
+    try:
+        prepared.launch(values, stream)
+    except GpuError:
+        # A thread in which torch never made the device's context current yet: make it so, and again.
+        gpu.make_primary_current(index)
+        prepared.launch(values, stream)
+
+
+def _prepare(index: int, op_name: str, dims: dict[str, int], run: dict[str, int],
+             tuned_only: bool = False) -> runtime.Prepared:
+    """The launch of this shape and run size on device `index`, made once and kept in _launches."""
+    with torch.cuda.device(index):
+        prepared = _prepare_in_torch_context(index, op_name, dims, run, tuned_only)
+    _launches[(index, op_name, *dims.values(), *run.values())] = prepared
+    return prepared
+
+
+def _prepare_in_torch_context(index: int, op_name: str, dims: dict[str, int], run: dict[str, int],
+                              tuned_only: bool) -> runtime.Prepared:
+    torch.cuda.init()
+    gpu.make_primary_current(index)  # torch's context: the device's primary one
+    return runtime.prepare(op_name, dims, run, device=index, tuned_only=tuned_only)
+
+
+def _eager(*tensors: torch.Tensor) -> bool:
+    """Plain tensors, not under torch.compile, make_fx or any other dispatch mode: the op need not be traced."""
+    return (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
+            and all(type(t) is torch.Tensor for t in tensors))
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5, *,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """F.layer_norm(x, (d,), weight, bias, eps) for float32 CUDA x of any leading shape, with this GPU's tuned
+    kernel for d and the number of rows. out: write into this tensor (x's shape, contiguous, not overlapping
+    x) instead of a new one, as a CUDA graph replaying into fixed buffers wants."""
+    if _eager(x, weight, bias) and (out is None or type(out) is torch.Tensor):
+        return _layer_norm_impl(x, weight, bias, eps, out)
+    if out is not None:
+        _check_out(x, out)
+    y = _layer_norm_op(x, weight, bias, eps)
+    return y if out is None else out.copy_(y)
+
+
+def _check_matmul(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int, int]:
+    fn = "mage_gen.torch.matmul"
+    _check_tensor(fn, "a", a)
+    _check_tensor(fn, "b", b, a.device)
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise LaunchError(f"{fn}: a must be (M, K) and b (K, N), got {tuple(a.shape)} and {tuple(b.shape)}")
+    (m, k), n = a.shape, b.shape[1]
+    if min(m, n, k) < 1:
+        raise LaunchError(f"{fn}: empty product {m}×{k} · {k}×{n}; every size must be at least 1")
+    return m, n, k
+
+
+@torch.library.custom_op("mage_gen::matmul", mutates_args=())
+def _matmul_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return _matmul_impl(a, b)
+
+
+@_matmul_op.register_fake
+def _(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    m, n, _ = _check_matmul(a, b)
+    return a.new_empty((m, n))
+
+
+def _matmul_impl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    m, n, k = _check_matmul(a, b)
+    c = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    index = a.get_device()
+    prepared = (_launches.get((index, "matmul", m, n, k))
+                or _prepare(index, "matmul", {"m": m, "n": n, "k": k}, {}, tuned_only=True))
+    _launch(prepared, index, (c.data_ptr(), a.data_ptr(), b.data_ptr()))
+    return c
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b in float32 (fused multiply-adds, never TF32) for a shape tuned on this GPU; others are refused."""
+    if _eager(a, b):
+        return _matmul_impl(a, b)
+    return _matmul_op(a, b)

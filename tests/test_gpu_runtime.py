@@ -1,0 +1,199 @@
+"""mage_gen.torch on the GPU: any d and M against float64 F.layer_norm, CUDA-graph capture, torch.compile
+(fullgraph), refused arguments, and the tuned matmul shapes."""
+
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mage_gen.errors import LaunchError
+from mage_gen.ops import get_op
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("torch sees no CUDA device", allow_module_level=True)
+
+import mage_gen.torch as mt  # noqa: E402
+from mage_gen.runtime import UntunedKernelWarning  # noqa: E402
+
+LN, MM = get_op("layernorm"), get_op("matmul")
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(out.double() - ref) / torch.linalg.vector_norm(ref))
+
+
+def inputs(m: int, d: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, d, device="cuda", generator=g) * 2 + 3  # an offset mean, as the gate draws
+    return x, torch.randn(d, device="cuda", generator=g), torch.randn(d, device="cuda", generator=g)
+
+
+def poisoned_layer_norm(x, w, b, eps=1e-5):
+    # torch's caching allocator hands the freed NaN block back for the output: a row never written stays NaN
+    torch.full_like(x, float("nan"))
+    return mt.layer_norm(x, w, b, eps)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(d=st.integers(1, 16384), m=st.integers(1, 70000), seed=st.integers(0, 2**31 - 1))
+def test_layer_norm_matches_float64_at_any_d_and_m(d, m, seed):
+    if m * d > 1 << 28:  # keep one example under a gigabyte
+        m = max(1, (1 << 28) // d)
+    x, w, b = inputs(m, d, seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UntunedKernelWarning)
+        y = poisoned_layer_norm(x, w, b)
+    torch.cuda.synchronize()
+    ref = torch.nn.functional.layer_norm(x.double(), (d,), w.double(), b.double(), 1e-5)
+    assert not torch.isnan(y).any(), f"d={d} m={m}: NaN in the output"
+    err = relative_error(y, ref)
+    assert err <= LN.tolerance, f"d={d} m={m}: relative error {err:.3g}"
+
+
+def test_an_untuned_d_warns_once_and_still_computes():
+    x, w, b = inputs(5, 1000 + 3, 1)
+    with pytest.warns(UntunedKernelWarning, match="default config"):
+        mt.layer_norm(x, w, b)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UntunedKernelWarning)
+        y = mt.layer_norm(x, w, b)
+    ref = torch.nn.functional.layer_norm(x.double(), (1003,), w.double(), b.double(), 1e-5)
+    assert relative_error(y, ref) <= LN.tolerance
+
+
+def test_inside_a_cuda_graph_replays_compute_fresh_inputs():
+    x, w, b = inputs(4096, 768, 2)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        mt.layer_norm(x, w, b)  # load the kernel before capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = mt.layer_norm(x, w, b)
+    for seed in (3, 4):
+        fresh, _, _ = inputs(4096, 768, seed)
+        x.copy_(fresh)
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = torch.nn.functional.layer_norm(x.double(), (768,), w.double(), b.double(), 1e-5)
+        assert relative_error(y, ref) <= LN.tolerance
+
+
+def test_torch_compile_fullgraph_runs_the_op_in_one_graph():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    class Block(torch.nn.Module):
+        def __init__(self, w, b):
+            super().__init__()
+            self.register_buffer("w", w)
+            self.register_buffer("b", b)
+
+        def forward(self, x):
+            return mt.layer_norm(x * 2, self.w, self.b) + 1
+
+    x, w, b = inputs(4096, 768, 5)
+    counter = CompileCounterWithBackend("inductor")
+    torch._dynamo.reset()
+    compiled = torch.compile(Block(w, b), fullgraph=True, backend=counter)
+    y = compiled(x)
+    torch.cuda.synchronize()
+    ref = torch.nn.functional.layer_norm(2 * x.double(), (768,), w.double(), b.double(), 1e-5) + 1
+    assert relative_error(y, ref) <= LN.tolerance
+    assert counter.frame_count == 1
+
+
+def test_out_is_written_and_may_not_be_an_input():
+    x, w, b = inputs(64, 768, 10)
+    out = torch.full_like(x, float("nan"))
+    assert mt.layer_norm(x, w, b, out=out) is out
+    ref = torch.nn.functional.layer_norm(x.double(), (768,), w.double(), b.double(), 1e-5)
+    assert relative_error(out, ref) <= LN.tolerance
+    with pytest.raises(LaunchError, match="out overlaps an input"):
+        mt.layer_norm(x, w, b, out=x)
+
+
+def test_a_misaligned_view_is_refused_not_faulted():
+    storage = torch.randn(4 * 768 + 1, device="cuda")
+    x = storage[1:].view(4, 768)  # 4 bytes past an aligned start
+    w, b = torch.ones(768, device="cuda"), torch.zeros(768, device="cuda")
+    with pytest.raises(LaunchError, match="x at .* is not a device address aligned to"):
+        mt.layer_norm(x, w, b)
+    torch.cuda.synchronize()  # the context is still good
+    y = mt.layer_norm(x.clone(), w, b)
+    assert not torch.isnan(y).any()
+
+
+def test_matmul_runs_a_tuned_shape_and_refuses_others():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator(device="cuda").manual_seed(6)
+    a = torch.randn(1024, 1024, device="cuda", generator=g)
+    b = torch.randn(1024, 1024, device="cuda", generator=g)
+    c = mt.matmul(a, b)
+    assert relative_error(c, a.double() @ b.double()) <= MM.tolerance
+    with pytest.raises(LaunchError, match="no tuned kernel"):
+        mt.matmul(a[:512, :512].contiguous(), b[:512, :512].contiguous())
+
+
+def test_raw_runtime_launches_on_a_stream_without_torch_wrappers():
+    from mage_gen import runtime
+
+    x, w, b = inputs(37, 768, 7)
+    y = torch.full_like(x, float("nan"))
+    stream = torch.cuda.Stream()
+    runtime.layer_norm(y.data_ptr(), x.data_ptr(), w.data_ptr(), b.data_ptr(), 37, 768, 1e-5, stream.cuda_stream)
+    stream.synchronize()
+    ref = torch.nn.functional.layer_norm(x.double(), (768,), w.double(), b.double(), 1e-5)
+    assert relative_error(y, ref) <= LN.tolerance
+    assert np.isfinite(y.cpu().numpy()).all()
+
+
+def test_the_gpu_comparison_agrees_with_the_cpu_gate_and_fails_nan():
+    from mage_gen import gpu
+    from mage_gen.measure import DeviceReference, compare_outputs
+
+    gpu.open_device()
+    stream = gpu.Stream()
+    rng = np.random.default_rng(8)
+    ref = rng.standard_normal((300, 77))
+    out = (ref * (1 + 3e-6 * rng.standard_normal(ref.shape))).astype(np.float32)
+    held = DeviceReference({"y": ref})
+    buf = gpu.Buffer(out.nbytes)
+    try:
+        buf.upload(out)
+        err, reason = held.compare_at(LN, {"y": buf.ptr}, stream)
+        cpu_err, cpu_reason = compare_outputs(LN, {"y": out}, {"y": ref})
+        assert not reason and not cpu_reason and abs(err - cpu_err) <= 1e-3 * cpu_err
+        out[17, 3] = np.nan
+        buf.upload(out)
+        assert "1 NaN or infinite" in held.compare_at(LN, {"y": buf.ptr}, stream)[1]
+        out[17, 3] = ref[17, 3] + 1.0
+        buf.upload(out)
+        assert "relative error" in held.compare_at(LN, {"y": buf.ptr}, stream)[1]
+    finally:
+        buf.free()
+        held.free()
+
+
+def test_a_kernel_checked_at_a_dram_sized_run_sees_the_timing_inputs():
+    # the timed-size check copies the timing inputs on the device first; a copy still in flight when the
+    # kernel starts (an async copy on another stream) made good kernels fail here
+    from mage_gen.measure import Bench
+    from mage_gen.variants import build
+
+    shape, run = LN.shape(d=4096), {"m": 32768}
+    bench = Bench(LN, shape, run, seed=9)
+    variant = build(LN, shape, LN.params_from_dict({"threads": 64, "vector": 4}), bench.device.arch)
+    kernel = bench.load(variant)
+    try:
+        for _ in range(3):
+            subject, checked = bench.checked_subject(variant, kernel)
+            assert subject is not None, checked.reason
+            subject.close()
+    finally:
+        kernel.unload()

@@ -1,0 +1,180 @@
+"""The runtime and the PyTorch ops without a GPU: argument checks, default configs, alignment, the fake
+implementation under torch.compile, and a CLI that starts without torch or Optuna."""
+
+import subprocess
+import sys
+
+import pytest
+
+from mage_gen import runtime
+from mage_gen.errors import LaunchError, NoGpuError
+from mage_gen.ops import get_op
+
+LN = get_op("layernorm")
+torch = pytest.importorskip("torch")
+FakeTensorMode = pytest.importorskip("torch._subclasses.fake_tensor").FakeTensorMode
+
+import mage_gen.torch as mt  # noqa: E402
+
+
+def test_a_default_config_exists_for_every_row_length_up_to_16384():
+    # every d the GPU tests draw gets a kernel even where nothing is tuned
+    for d in range(1, 16385):
+        params = runtime._default_params(LN, LN.shape(d=d))
+        LN.validate(LN.shape(d=d), params)
+
+
+def test_misaligned_or_null_addresses_are_refused_before_a_launch():
+    shape = LN.shape(d=768)
+    alignments = {name: t["alignment_bytes"] for name, t in
+                  LN.contract(shape, LN.params_from_dict({"vector": 4}))["tensors"].items()}
+    assert alignments["x"] == 16
+    good = {"y": 0x10000, "x": 0x20000, "w": 0x30000, "b": 0x40000}
+    runtime.check_alignment("layernorm", alignments, good)
+    with pytest.raises(LaunchError, match=r"x at 0x20004 is not a device address aligned to 16 bytes"):
+        runtime.check_alignment("layernorm", alignments, {**good, "x": 0x20004})
+    with pytest.raises(LaunchError, match="y at 0x0"):
+        runtime.check_alignment("layernorm", alignments, {**good, "y": 0})
+
+
+def test_without_a_driver_the_raw_runtime_says_a_gpu_is_needed():
+    try:
+        from mage_gen import gpu
+
+        gpu.device_info(0)
+    except NoGpuError:
+        with pytest.raises(NoGpuError, match="needs an NVIDIA GPU"):
+            runtime.layer_norm(0x10000, 0x20000, 0x30000, 0x40000, 4, 768)
+    else:
+        pytest.skip("a CUDA driver is present")
+
+
+def fake(*shape, dtype=torch.float32, device="cuda"):
+    return torch.empty(*shape, dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: (fake(4, 768, dtype=torch.float16), fake(768), fake(768)), "x must be float32, got torch.float16"),
+    (lambda: (fake(4, 768, device="cpu"), fake(768, device="cpu"), fake(768, device="cpu")),
+     "x must be on a CUDA device, got cpu"),
+    (lambda: (fake(4, 768), fake(768, device="cpu"), fake(768)), "weight must be on a CUDA device"),
+    (lambda: (fake(768, 4).t(), fake(768), fake(768)), "x must be contiguous"),
+    (lambda: (fake(4, 768), fake(700), fake(768)), r"weight must have shape \(768,\)"),
+    (lambda: (fake(4, 768), fake(768), fake(768, 1)), r"bias must have shape \(768,\)"),
+    (lambda: (fake(0, 768), fake(768), fake(768)), "no rows to normalize"),
+    (lambda: (fake(4, 0), fake(0), fake(0)), "no rows to normalize"),
+    (lambda: (fake(4, 768), fake(768, dtype=torch.float64), fake(768)), "weight must be float32"),
+])
+def test_bad_arguments_name_the_argument(make, message):
+    with FakeTensorMode():
+        x, w, b = make()
+        with pytest.raises((LaunchError, TypeError), match=message):
+            mt.layer_norm(x, w, b)
+
+
+def test_an_input_that_requires_grad_is_refused_not_silently_detached():
+    # (a fake CUDA tensor cannot require grad without a CUDA build; the check comes first, so CPU shows it)
+    x, w, b = torch.ones(4, 768, requires_grad=True), torch.ones(768), torch.zeros(768)
+    with pytest.raises(LaunchError, match="x requires grad, and this op has no backward"):
+        mt.layer_norm(x, w, b)
+    with torch.no_grad(), pytest.raises(LaunchError, match="x must be on a CUDA device"):
+        mt.layer_norm(x, w, b)
+
+
+def test_out_must_match_x():
+    with FakeTensorMode():
+        with pytest.raises(LaunchError, match=r"out must have x's shape \(4, 768\), got \(4, 767\)"):
+            mt.layer_norm(fake(4, 768), fake(768), fake(768), out=fake(4, 767))
+        with pytest.raises(TypeError, match="out must be float32"):
+            mt.layer_norm(fake(4, 768), fake(768), fake(768), out=fake(4, 768, dtype=torch.float64))
+
+
+def test_matmul_arguments_are_checked():
+    with FakeTensorMode():
+        with pytest.raises(LaunchError, match=r"a must be \(M, K\) and b \(K, N\)"):
+            mt.matmul(fake(8, 16), fake(8, 16))
+        assert mt.matmul(fake(8, 16), fake(16, 32)).shape == (8, 32)
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.register_buffer("w", torch.ones(d, device="cuda"))
+        self.register_buffer("b", torch.zeros(d, device="cuda"))
+
+    def forward(self, x):
+        return mt.layer_norm(x * 2, self.w, self.b) + 1
+
+
+def test_torch_compile_fullgraph_keeps_the_op_in_one_graph():
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with FakeTensorMode():
+        compiled = torch.compile(Block(768), fullgraph=True, backend=backend)
+        y = compiled(fake(3, 5, 768))
+    assert y.shape == (3, 5, 768) and y.device.type == "cuda"
+    (graph,) = graphs
+    targets = [node.target for node in graph.graph.nodes if node.op == "call_function"]
+    assert torch.ops.mage_gen.layer_norm.default in targets and len(targets) == 3
+
+
+def test_the_fake_implementation_checks_what_the_real_one_does():
+    with FakeTensorMode():
+        with pytest.raises(LaunchError, match=r"weight must have shape \(768,\)"):
+            torch.ops.mage_gen.layer_norm(fake(4, 768), fake(769), fake(768), 1e-5)
+        out = torch.ops.mage_gen.layer_norm(fake(2, 3, 768), fake(768), fake(768), 1e-5)
+        assert out.shape == (2, 3, 768) and out.dtype == torch.float32
+
+
+def test_the_command_line_starts_without_torch_optuna_or_triton():
+    code = ("import sys, mage_gen.cli; heavy = {'torch', 'optuna', 'triton'} & set(sys.modules); "
+            "assert not heavy, heavy")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_cli_states_the_tuner_defaults_it_does_not_import():
+    from mage_gen import cli, tune
+
+    assert (cli.EXHAUSTIVE_LIMIT, cli.DEFAULT_TPE_TRIALS) == (tune.EXHAUSTIVE_LIMIT, tune.DEFAULT_TPE_TRIALS)
+
+
+def test_a_fixed_launch_packs_each_value_where_its_parameter_pointer_points(tmp_path, monkeypatch):
+    # a stand-in for libcuda's cuLaunchKernel that copies what it was given
+    import ctypes
+    import shutil
+
+    from mage_gen import gpu
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    (tmp_path / "stub.c").write_text(
+        "static unsigned g[7]; static void** p;\n"
+        "int cuLaunchKernel(void* f, unsigned a, unsigned b, unsigned c, unsigned d, unsigned e, unsigned h,"
+        " unsigned s, void* st, void** params, void** extra)"
+        " { g[0]=a; g[1]=b; g[2]=c; g[3]=d; g[4]=e; g[5]=h; g[6]=s; p = params; return st == (void*)7 ? 0 : 1; }\n"
+        "unsigned grid(int i) { return g[i]; }\nvoid* param(int i) { return p[i]; }\n")
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(tmp_path / "stub.so"), str(tmp_path / "stub.c")],
+                   check=True)
+    stub = ctypes.CDLL(str(tmp_path / "stub.so"))
+    stub.cuLaunchKernel.restype = ctypes.c_int
+    stub.param.restype = ctypes.c_void_p
+    monkeypatch.setattr(gpu, "_driver_launch", lambda: stub.cuLaunchKernel)
+
+    class Loaded:
+        function, name = 1234, "k"
+
+    launch = gpu.FixedLaunch(Loaded(), (19, 2, 1), (128, 1, 1), 4096, ["i32", "ptr", "f32", "i64", "ptr"])
+    launch.launch((-3, 0xDEAD0000BEEF, 1e-5, 1 << 40, 16), 7)
+    assert [stub.grid(i) for i in range(7)] == [19, 2, 1, 128, 1, 1, 4096]
+    kinds = [ctypes.c_int32, ctypes.c_uint64, ctypes.c_float, ctypes.c_int64, ctypes.c_uint64]
+    got = [ctypes.cast(stub.param(i), ctypes.POINTER(kind)).contents.value for i, kind in enumerate(kinds)]
+    assert got == [-3, 0xDEAD0000BEEF, pytest.approx(1e-5), 1 << 40, 16]
+    for i, kind in enumerate(kinds):  # each value at its natural alignment, as a C struct lays them out
+        assert stub.param(i) % ctypes.sizeof(kind) == 0
