@@ -20,15 +20,16 @@ from mage_gen.store import gpu_slug, load_winner, write_atomic
 TUNE_OUT = "/tmp/mage-gen-bench-kernels"
 
 
-def winner_params(op, shape, device, tune_missing: bool, tune_flags: list[str]):
-    """The stored winner's params; with tune_missing, `mage-gen tune <op> <tune_flags>` first where none is."""
+def winner_params(op, shape, device, tune_missing: bool, tune_flags: list[str], run: dict | None = None):
+    """The params of the stored winner that serves a launch of `run` (the size class dispatch picks, on this
+    GPU's L2); with tune_missing, `mage-gen tune <op> <tune_flags>` first where the shape has none."""
     try:
-        return load_winner(op, shape, device.name).params
+        return load_winner(op, shape, device.name, run, l2_bytes=device.l2_bytes).params
     except StoreError:
         if not tune_missing:
             raise
     subprocess.run([sys.executable, "-m", "mage_gen", "tune", op.name, *tune_flags, "--out", TUNE_OUT], check=True)
-    return load_winner(op, shape, device.name).params
+    return load_winner(op, shape, device.name, run, l2_bytes=device.l2_bytes).params
 
 
 def geomean(values: list[float]) -> float | None:
