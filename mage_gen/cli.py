@@ -396,6 +396,9 @@ def tune_command(
             op.check_run(run)
     else:
         runs = [default_run]
+    if replayed is not None and any(replayed.recording.get("run", run) != run for run in runs):
+        raise MageError(f"replay: the recording was made at {replayed.recording.get('run')}, not at every one of "
+                        f"{runs}; give --m to match it")
     # Where the winners go is checked before the search, so that nothing is measured in vain.
     check_can_save(op.name, device["name"])
     check_out_dir(out_dir)
@@ -422,9 +425,6 @@ def _tune_size_class(op: Op, shape: Any, run: dict[str, int], space: Any, replay
     from mage_gen.tune import tune as tune_search
     from mage_gen.worker import IsolatedBackend, gpu_backend
 
-    if replayed is not None and replayed.recording.get("run", run) != run:
-        raise MageError(f"replay: the recording was made at {replayed.recording.get('run')}, not {run}; give "
-                        "--m to match it")
     # On the GPU every trial runs in a worker process: a variant that crashes or hangs fails alone.
     backend = replayed or IsolatedBackend(partial(gpu_backend, op.name, shape, run, seed))
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
