@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
 import json
 import sys
+import time
+import tomllib
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any, Optional
@@ -19,30 +24,47 @@ from mage_gen.census import Census
 from mage_gen.compile import DEFAULT_ARCH, check_arch
 from mage_gen.emit import check_out_dir, emit
 from mage_gen.errors import MageError, NoGpuError
-from mage_gen.ops import Op, get_op
+from mage_gen.ops import OPS, Op, get_op
+from mage_gen.resources import data_dir
 from mage_gen.space import expand, load_space
 from mage_gen.store import (Winner, check_can_save, entry_key, load_winner, load_winners, save_entry, shape_entries,
                             tuned_shapes)
 from mage_gen.timing import Timing
-from mage_gen.variants import Variant, build, build_all
+from mage_gen.variants import Variant, build, build_all, check_op_arch
 
 # What only `tune` needs (Optuna, the measuring worker, and through the final round torch and Triton) is
 # imported inside it: every other command starts without them.
 EXHAUSTIVE_LIMIT, DEFAULT_TPE_TRIALS = 64, 96  # mage_gen.tune's; a test holds the two in step
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+# Plain help: the rich help tags every flag with a type (--json <bool>), as if it took a value.
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Generate, check and tune GPU kernels written with inline PTX.")
 # Tables are wide; where output goes to a file or pipe, do not squeeze them into 80 columns.
 out = Console(width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True)
 
-OpArg = typer.Argument(..., help="op family, e.g. layernorm")
+OpArg = typer.Argument(..., help=f"op family: {', '.join(sorted(OPS))}")
 DOpt = typer.Option(None, "--d", help="row length (layernorm)")
 MOpt = typer.Option(None, "--m", help="rows of the output: matmul's M; layernorm's rows at launch (default 4096)")
 NOpt = typer.Option(None, "--n", help="matmul: columns of B and C")
 KOpt = typer.Option(None, "--k", help="matmul: columns of A, rows of B")
 ArchOpt = typer.Option(DEFAULT_ARCH, "--arch", help="GPU architecture to compile for, e.g. sm_90, sm_80")
 JsonOpt = typer.Option(False, "--json", help="print machine-readable JSON instead of a table")
+
+
+def _preset_names() -> str:
+    """'layernorm: quick, full; matmul: quick, ...', read from the search spaces (small TOML files)."""
+    names = []
+    for name in sorted(OPS):
+        try:
+            presets = tomllib.loads((data_dir("search") / f"{name}.toml").read_text()).get("presets", {})
+        except (OSError, tomllib.TOMLDecodeError):
+            continue
+        names.append(f"{name}: {', '.join(presets)}")
+    return "; ".join(names)
+
+
+_PRESETS = _preset_names()
 
 
 def _parse_sizes(op: Op, text: str) -> list[int] | str:
@@ -112,10 +134,12 @@ def _variant_dict(op: Op, shape: Any, variant: Variant, run: dict[str, int]) -> 
     }
 
 
-def _loads_summary(c: Census) -> str:
-    """Global loads of the first tensor loaded (the input a pass reads), e.g. 'x 2×v4'."""
-    tensors = [t for t in dict.fromkeys(k.split(".")[0] for k in c.global_loads) if t != "?"]
-    return f"{tensors[0]} {_widths(c.global_loads, tensors[0])}" if tensors else "–"
+def _loads_summary(op: Op, c: Census) -> str:
+    """Global loads of the op's first input that has any (layer norm's rows x, not a weight vector),
+    e.g. 'x 2×v4'."""
+    loaded = {tag.split(".")[0] for tag in c.global_loads}
+    tensor = next((a.name for a in op.args if a.kind == "in" and a.name in loaded), None)
+    return f"{tensor} {_widths(c.global_loads, tensor)}" if tensor else "–"
 
 
 def _cp_async_summary(c: Census) -> str:
@@ -149,11 +173,14 @@ def inspect(
     """Render, compile and count one variant: registers, shared memory, loads, stores, barriers."""
     op = get_op(op_name)
     shape, run = _problem(op, d=d, m=m, n=n, k=k)
-    check_arch(arch)
+    check_op_arch(op, arch)
     values = _parse_config(config)
-    values.update({k: v for k, v in dict(template=template, threads=threads, vector=vector).items()
-                   if v is not None})
-    params = op.params_from_dict(values)
+    flags = {k: v for k, v in dict(template=template, threads=threads, vector=vector).items() if v is not None}
+    both = sorted(key for key in flags if key in values and values[key] != flags[key])
+    if both:
+        raise MageError(f"config: --{both[0]} {flags[both[0]]} and --config {both[0]}={values[both[0]]} disagree; "
+                        "give it once")
+    params = op.params_from_user({**values, **flags})
     variant = build(op, shape, params, arch)
     if as_json:
         doc = _variant_dict(op, shape, variant, run)
@@ -193,19 +220,20 @@ def inspect(
 def variants(
     op_name: str = OpArg, d: Optional[int] = DOpt, m: Optional[int] = MOpt, n: Optional[int] = NOpt,
     k: Optional[int] = KOpt,
-    preset: Optional[str] = typer.Option(None, help="search-space preset from search/<op>.toml (quick, full)"),
+    preset: Optional[str] = typer.Option(None, help=f"search-space preset of search/<op>.toml ({_PRESETS})"),
     arch: str = ArchOpt, as_json: bool = JsonOpt,
 ) -> None:
     """Compile every valid variant of a preset and list each with its census."""
     op = get_op(op_name)
     shape, run = _problem(op, d=d, m=m, n=n, k=k)
-    check_arch(arch)
+    check_op_arch(op, arch)
     space = load_space(op, preset)
     valid, rejected = expand(op, shape, space)
-    with Progress(TextColumn("compiling"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err, transient=True, disable=not err.is_terminal) as progress:
-        task = progress.add_task("compile", total=len(valid))
-        built = build_all(op, shape, valid, arch, progress=lambda: progress.advance(task))
+    if not valid:
+        raise MageError(f"space: no config of preset {space.preset} is valid for {op.name} {vars(shape)}; first "
+                        f"rejection: {rejected[0][1] if rejected else 'none'}; try a wider --preset ({_PRESETS})")
+    with _compiling(len(valid), f"{op.name} {vars(shape)} preset {space.preset} for {arch}") as advance:
+        built = build_all(op, shape, valid, arch, progress=advance)
     if as_json:
         print(json.dumps({"op": op.name, "shape": vars(shape), "preset": space.preset, "arch": arch,
                           "rejected": len(rejected),
@@ -218,9 +246,34 @@ def variants(
     for v in built:
         c = v.census
         smem = c.shared_bytes + op.geometry(shape, v.params, run).dynamic_shared_bytes
-        table.add_row(v.params.label(), str(c.registers), str(smem), str(c.spill_bytes), _loads_summary(c),
+        table.add_row(v.params.label(), str(c.registers), str(smem), str(c.spill_bytes), _loads_summary(op, c),
                       _cp_async_summary(c), _passes_summary(c), str(c.bar_sync), str(c.shfl_sync))
     out.print(table)
+
+
+@contextlib.contextmanager
+def _compiling(total: int, what: str) -> Iterator[Callable[[], None]]:
+    """Progress of a parallel compile: a bar on a terminal; elsewhere (a CI log, a pipe) a plan line, a line
+    at every tenth and a closing count, so that minutes of compiling are never silent."""
+    started = time.monotonic()
+    if err.is_terminal:
+        with Progress(TextColumn("compiling"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=err, transient=True) as progress:
+            task = progress.add_task("compile", total=total)
+            yield lambda: progress.advance(task)
+        return
+    err.print(f"compiling {total} variants of {what} on {os.cpu_count() or 1} processes (cached ones are read "
+              "back, not compiled)", markup=False, highlight=False, soft_wrap=True)
+    done = 0
+
+    def advance() -> None:
+        nonlocal done
+        done += 1
+        if done == total or done * 10 // total > (done - 1) * 10 // total:
+            err.print(f"  {done}/{total} in {time.monotonic() - started:.0f} s", markup=False, highlight=False,
+                      soft_wrap=True)
+
+    yield advance
 
 
 def _this_gpu() -> str:
@@ -248,9 +301,9 @@ def emit_command(
     class (of the one that serves --m, where given), or --config."""
     op = get_op(op_name)
     shape, run = _problem(op, d=d, m=m, n=n, k=k)
-    check_arch(arch)
+    check_op_arch(op, arch)
     if config:
-        paths = emit(op, shape, op.params_from_dict(_parse_config(config)), arch, out_dir, None)
+        paths = emit(op, shape, op.params_from_user(_parse_config(config)), arch, out_dir, None)
     else:
         paths = _emit_tuned(op, shape, gpu or _this_gpu(), arch, out_dir, run if m is not None else None)
     for path in paths:
@@ -348,7 +401,7 @@ def tune_command(
                                                       "each: 4096, 4096,65536, or auto (one M whose x and y fit "
                                                       "the GPU's L2, one that does not; default 4096)"),
     n: Optional[int] = NOpt, k: Optional[int] = KOpt,
-    preset: Optional[str] = typer.Option(None, help="search-space preset from search/<op>.toml (quick, full)"),
+    preset: Optional[str] = typer.Option(None, help=f"search-space preset of search/<op>.toml ({_PRESETS})"),
     trials: Optional[int] = typer.Option(None, min=1, help="configs each study measures in all, earlier runs "
                                                            f"included (default: all when ≤ {EXHAUSTIVE_LIMIT}, "
                                                            f"else {DEFAULT_TPE_TRIALS})"),
@@ -378,11 +431,9 @@ def tune_command(
     try:
         device = replayed.device if replayed else _gpu_facts()
     except NoGpuError as exc:
-        target = check_arch(arch or DEFAULT_ARCH)
-        with Progress(TextColumn("compiling"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=err, transient=True, disable=not err.is_terminal) as progress:
-            task = progress.add_task("compiling", total=len(valid))
-            build_all(op, shape, valid, target, progress=lambda: progress.advance(task))
+        target = check_op_arch(op, arch or DEFAULT_ARCH)
+        with _compiling(len(valid), f"{op.name} {vars(shape)} preset {space.preset} for {target}") as advance:
+            build_all(op, shape, valid, target, progress=advance)
         raise NoGpuError(f"compiled and counted {len(valid)} valid variants ({len(rejected)} rejected) for "
                          f"{target}; {exc}") from None
     target = "sm_" + str(device["cc"]).replace(".", "")
@@ -470,7 +521,10 @@ def main() -> None:
         err.print(f"mage-gen: error: {exc}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(2)
     except usage_errors as exc:
-        err.print(f"mage-gen: error: {exc.format_message()}", markup=False, highlight=False, soft_wrap=True)
+        if type(exc).__name__ == "NoArgsIsHelpError":  # plain `mage-gen`: the usage is the answer, not an error
+            err.print(exc.format_message(), markup=False, highlight=False, soft_wrap=True)
+        else:
+            err.print(f"mage-gen: error: {exc.format_message()}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(2)
     except (KeyboardInterrupt, *aborts):
         err.print("mage-gen: interrupted", markup=False)

@@ -16,7 +16,7 @@ from pathlib import Path
 import platformdirs
 from cuda.bindings import nvrtc
 
-from mage_gen.errors import CompileError, ConfigError
+from mage_gen.errors import CompileError, ConfigError, MageError
 from mage_gen.render import Source
 
 DEFAULT_ARCH = "sm_90"
@@ -96,8 +96,12 @@ def compile_source(source: Source, arch: str = DEFAULT_ARCH, fmad: bool = True) 
 
 def _store(entry: Path, ptx: str, cubin: bytes, log: str) -> None:
     """Write the entry in a scratch folder, then rename it into place: readers see all of it or none."""
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=".tmp-", dir=entry.parent))
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=".tmp-", dir=entry.parent))
+    except OSError as exc:
+        raise MageError(f"cache: cannot write the compile cache {cache_dir()} ({exc.strerror or exc}); set "
+                        "MAGE_GEN_CACHE to a writable folder") from None
     try:
         (scratch / "kernel.ptx").write_text(ptx)
         (scratch / "ptxas.log").write_text(log)

@@ -132,7 +132,11 @@ def load_entry(op_name: str, gpu_name: str, shape_key: str, current_template_has
     tune = _tune_command(op_name, shape_key)
     remedy = f"run `{tune}` on this GPU, or pass --config"
     if not path.exists():
-        raise StoreError(f"no tuned {op_name} kernels for {gpu_name} ({path} does not exist): {remedy}")
+        where = ("$MAGE_GEN_TUNED" if os.environ.get("MAGE_GEN_TUNED") and directory is None else
+                 f"the working folder {Path.cwd()} (set MAGE_GEN_TUNED to read another)" if directory is None else
+                 str(directory))
+        raise StoreError(f"no tuned {op_name} kernels for {gpu_name} ({path} does not exist; tuned/ is read from "
+                         f"{where}): {remedy}")
     entries = _read(path, op_name)["entries"]
     if shape_key not in entries:
         have = ", ".join(sorted(entries)[:5]) or "none"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -23,7 +24,16 @@ class Variant:
     census: Census
 
 
+def check_op_arch(op: Op, arch: str) -> str:
+    """The arch, where NVRTC builds for it and the op's templates can use it."""
+    check_arch(arch)
+    if int(re.sub(r"\D", "", arch)) < op.min_arch:
+        raise ConfigError(f"arch: {op.name} needs sm_{op.min_arch} or newer, got {arch}; choose another --arch")
+    return arch
+
+
 def build(op: Op, shape: Any, params: Any, arch: str) -> Variant:
+    check_op_arch(op, arch)
     source = op.source(shape, params)  # validates first: a rejected config never reaches NVRTC
     compiled = compile_source(source, arch)
     return Variant(params=params, source=source, compiled=compiled, census=take_census(compiled))
@@ -39,7 +49,7 @@ def _build_one(job: tuple[str, Any, Any, str]) -> Variant:
 def build_all(op: Op, shape: Any, params_list: Sequence[Any], arch: str,
               progress: Callable[[], None] | None = None, workers: int | None = None) -> list[Variant]:
     """Build every variant, returned in input order; compiles run in worker processes, one per core."""
-    check_arch(arch)
+    check_op_arch(op, arch)
     jobs = [(op.name, shape, p, arch) for p in params_list]
     workers = workers or min(len(jobs), os.cpu_count() or 1)
     if workers <= 1:
@@ -71,7 +81,7 @@ def prebuild(op: Op, shape: Any, params_list: Sequence[Any], arch: str,
     """Compile every variant into the cache in parallel and keep nothing: each is built again, from the
     cache, where it is used. A config that fails to render or compile is left for its user to report (a
     tuning trial fails alone); returns how many compiled."""
-    check_arch(arch)
+    check_op_arch(op, arch)
     jobs = [(op.name, shape, p, arch) for p in params_list]
     if not jobs:
         return 0

@@ -7,6 +7,7 @@ and compares every file under tmp_path, path and bytes, before and after the com
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -112,7 +113,7 @@ CASES = [
     ("stale-tuned", ["emit", "layernorm", "--d", "768", "--gpu", H200, "-o", "{tmp}/k"], stale_tuned,
      ["is stale", "run `mage-gen tune layernorm --d 768 --m 4096`"]),
     ("no-winner", ["emit", "layernorm", "--d", "768", "--gpu", H200, "-o", "{tmp}/k"], empty_tuned,
-     ["no tuned layernorm kernels for NVIDIA H200", "run `mage-gen tune layernorm --d 768`"]),
+     ["no tuned layernorm kernels for NVIDIA H200", "$MAGE_GEN_TUNED", "run `mage-gen tune layernorm --d 768`"]),
     ("no-gpu-to-pick-a-winner", ["emit", "layernorm", "--d", "768", "-o", "{tmp}/k"], empty_tuned,
      ["no GPU reachable", "pass --gpu NAME"]),
     ("storage-unreachable", [*TUNE_REPLAY, "--storage", "postgresql://nobody@127.0.0.1:1/none"], None,
@@ -130,6 +131,18 @@ CASES = [
     ("replay-not-a-recording", ["tune", "layernorm", "--d", "768", "--replay", "{tmp}/recording.json",
                                 "--storage", SQLITE], not_a_recording, ["recording.json", "bench/layernorm_trials.py"]),
     ("tune-without-gpu", ["tune", "layernorm", "--d", "768"], None, ["compiled and counted", "needs an NVIDIA GPU"]),
+    ("config-decimal", ["inspect", "layernorm", "--d", "768", "--config", "threads=128.0"], None,
+     ["threads is a whole number", "'128.0'"]),
+    ("config-word-for-a-number", ["inspect", "layernorm", "--d", "768", "--config", "rows_per_block=two"], None,
+     ["rows_per_block is a whole number", "'two'"]),
+    ("flag-and-config-disagree", ["inspect", "layernorm", "--d", "768", "--threads", "64", "--config", "threads=128"],
+     None, ["--threads 64 and --config threads=128 disagree", "give it once"]),
+    ("test-only-switch", ["emit", "matmul", "--m", "64", "--n", "64", "--k", "64", "--config", "plant=offset_units",
+                          "-o", "{tmp}/k"], None, ["unknown matmul parameter(s) ['plant']", "known:"]),
+    ("arch-the-op-cannot-use", ["inspect", "matmul", "--m", "64", "--n", "64", "--k", "64", "--arch", "sm_75"], None,
+     ["matmul needs sm_80 or newer, got sm_75", "choose another --arch"]),
+    ("empty-preset", ["variants", "layernorm", "--d", "1"], None,
+     ["no config of preset quick is valid", "try a wider --preset", "full"]),
     ("tune-m-not-sizes", [*TUNE_REPLAY, "--m", "4096,lots", "--storage", SQLITE], None,
      ["--m takes a whole number, several separated by commas, or auto", "'4096,lots'"]),
     ("tune-matmul-several-m", ["tune", "matmul", "--m", "64,128", "--n", "64", "--k", "64"], None,
@@ -149,6 +162,7 @@ CASES = [
 # Cases whose search runs before the error: the study's storage may change (finished trials are kept there),
 # the tuned/ file and the kernels may not.
 SEARCH_RUNS = {"tune-out-unwritable"}
+LONG_WORK = {"tune-without-gpu"}
 
 
 @pytest.mark.parametrize("case, args, setup, says", CASES, ids=[case[0] for case in CASES])
@@ -163,6 +177,10 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, synthetic_ent
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
     lines = done.stderr.strip().splitlines()
+    if case in LONG_WORK:  # compiles first, and says how far it is where stderr is no terminal
+        progress, lines = lines[:-1], lines[-1:]
+        assert progress[0].startswith("compiling ") and all(re.fullmatch(r"  \d+/\d+ in \d+ s", line)
+                                                              for line in progress[1:]), progress
     assert len(lines) == 1, done.stderr
     assert lines[0].startswith("mage-gen: error: ")
     for fragment in says:

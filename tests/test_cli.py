@@ -1,6 +1,7 @@
 """The command line as a user meets it: real processes, exit codes, one-line errors."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -96,3 +97,49 @@ def test_bad_matmul_input_is_one_line_exit_2(args, says):
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and says in lines[0], done.stderr
+
+
+def test_plain_mage_gen_shows_the_usage_without_an_empty_error_line():
+    done = mage_gen()
+    assert done.returncode == 2
+    assert "Usage: " in done.stderr and "COMMAND" in done.stderr
+    assert "mage-gen: error:" not in done.stderr
+
+
+def test_help_names_the_ops_and_every_preset_and_tags_no_flag_with_a_type():
+    done = mage_gen("variants", "--help")
+    text = " ".join(done.stdout.split())
+    assert done.returncode == 0
+    assert "op family: layernorm, matmul" in text
+    assert "layernorm: quick, full; matmul: quick, explore, wide, full" in text
+    assert "--json <bool>" not in text and "--json" in text
+
+
+def test_a_compile_cache_that_cannot_be_written_is_one_line_naming_it(tmp_path):
+    (tmp_path / "file").write_text("")
+    for cache in (tmp_path / "file", tmp_path / "file" / "below"):
+        done = subprocess.run([sys.executable, "-m", "mage_gen", "variants", "layernorm", "--d", "100"],
+                              capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "MAGE_GEN_CACHE": str(cache)})
+        assert done.returncode == 2
+        lines = done.stderr.strip().splitlines()
+        assert lines[-1].startswith(f"mage-gen: error: cache: cannot write the compile cache {cache}"), done.stderr
+        assert "MAGE_GEN_CACHE" in lines[-1] and "Traceback" not in done.stderr
+
+
+def test_variants_into_a_pipe_prints_a_plan_and_progress(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "mage_gen", "variants", "layernorm", "--d", "640"],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "MAGE_GEN_CACHE": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert lines[0].startswith("compiling ") and "variants of layernorm" in lines[0]
+    total = int(lines[0].split()[1])
+    assert lines[-1].strip().startswith(f"{total}/{total} in ")
+    assert len(lines) >= 3  # progress between the plan and the end
+
+
+def test_the_variants_table_shows_the_rows_loads_not_a_weight_vectors():
+    done = mage_gen("variants", "layernorm", "--d", "768")
+    rows = [line for line in done.stdout.splitlines() if "row T32 V2 R1 approx nc " in line]
+    assert rows and all(" x 12×v2 " in line for line in rows[:1]), rows[:1]

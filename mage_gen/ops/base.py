@@ -19,9 +19,25 @@ def params_from(params_type: type, op_name: str, values: dict[str, Any], hidden:
     if unknown:
         raise ConfigError(f"params: unknown {op_name} parameter(s) {unknown}; known: {sorted(set(defaults) - hidden)}")
     for name, value in values.items():
-        if isinstance(value, bool) and isinstance(defaults[name], int) and not isinstance(defaults[name], bool):
+        default = defaults[name]
+        whole = isinstance(default, int) and not isinstance(default, bool)
+        # true/false would pass as 1 and 0, and '128.0' or 'two' would reach a rule about something else
+        if whole and (isinstance(value, bool) or not isinstance(value, int)):
             raise ConfigError(f"params: {op_name} {name} is a whole number, got {value!r}")
+        if isinstance(default, bool) and not isinstance(value, bool):
+            raise ConfigError(f"params: {op_name} {name} is true or false, got {value!r}")
+        if isinstance(default, str) and not isinstance(value, str):
+            raise ConfigError(f"params: {op_name} {name} is a word (e.g. {default!r}), got {value!r}")
     return params_type(**values)
+
+
+def public_params_from(params_type: type, op_name: str, values: dict[str, Any], hidden: frozenset[str]) -> Any:
+    """params_from for what a user gives (--config): a hidden field (a test-only switch) is as unknown there
+    as a misspelt one."""
+    if hidden & set(values):
+        known = sorted({f.name for f in fields(params_type)} - hidden)
+        raise ConfigError(f"params: unknown {op_name} parameter(s) {sorted(hidden & set(values))}; known: {known}")
+    return params_from(params_type, op_name, values, hidden)
 
 
 def params_dict(params: Any, hidden: frozenset[str] = frozenset()) -> dict[str, Any]:
@@ -70,6 +86,7 @@ class Op(Protocol):
     run_dims: tuple[str, ...]  # sizes given at launch, e.g. ('m',)
     run_defaults: dict[str, int]  # for the CLI, where a launch size is not given
     args: tuple[Arg, ...]
+    min_arch: int  # oldest sm_XY its templates build for, as XY (matmul's cp.async needs 80)
 
     def shape(self, **dims: int) -> Any: ...
     def validate(self, shape: Any, params: Any) -> None: ...
@@ -81,6 +98,7 @@ class Op(Protocol):
     def reference(self, shape: Any, inputs: dict[str, np.ndarray], scalars: dict[str, int | float]) -> dict[str, np.ndarray]: ...
     def gate_runs(self, shape: Any, run: dict[str, int], params: Any) -> list[dict[str, int]]: ...
     def params_from_dict(self, values: dict[str, Any]) -> Any: ...
+    def params_from_user(self, values: dict[str, Any]) -> Any: ...  # refuses test-only fields
     def params_to_dict(self, params: Any) -> dict[str, Any]: ...
     def check_run(self, run: dict[str, int]) -> None: ...
     def launch_formula(self, shape: Any, params: Any) -> dict[str, Any]: ...

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from mage_gen.errors import ConfigError
-from mage_gen.ops.base import Arg, Launch, params_dict, params_from, register_cap
+from mage_gen.ops.base import Arg, Launch, params_dict, params_from, public_params_from, register_cap
 from mage_gen.render import Source, render
 
 TEMPLATES = ("row", "multirow", "wide")
@@ -78,6 +78,7 @@ class LayerNorm:
     args = (Arg("y", "out"), Arg("x", "in"), Arg("w", "in"), Arg("b", "in"), Arg("M", "i32"),
             Arg("eps", "f32"))
     eps = 1e-5
+    min_arch = 70  # ld.global.nc.L1::no_allocate
 
     # ---- shapes and params ----
     def shape(self, **dims: int) -> Shape:
@@ -90,6 +91,9 @@ class LayerNorm:
 
     def params_from_dict(self, values: dict[str, Any]) -> Params:
         return params_from(Params, self.name, values)
+
+    def params_from_user(self, values: dict[str, Any]) -> Params:
+        return public_params_from(Params, self.name, values, frozenset())
 
     def params_to_dict(self, params: Params) -> dict[str, Any]:
         return params_dict(params)

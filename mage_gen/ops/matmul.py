@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from mage_gen.errors import ConfigError
-from mage_gen.ops.base import Arg, Launch, params_dict, params_from, register_cap
+from mage_gen.ops.base import Arg, Launch, params_dict, params_from, public_params_from, register_cap
 from mage_gen.render import Source, render
 
 MAX_SHARED_BYTES = 227 * 1024  # the opt-in limit per block on sm_90; smaller GPUs refuse at launch
@@ -81,6 +81,7 @@ class Matmul:
     run_dims: tuple[str, ...] = ()
     run_defaults: dict[str, int] = {}
     args = (Arg("C", "out"), Arg("A", "in"), Arg("B", "in"))
+    min_arch = 80  # cp.async
 
     def shape(self, **dims: int) -> Shape:
         for name in self.shape_dims:
@@ -92,6 +93,9 @@ class Matmul:
 
     def params_from_dict(self, values: dict[str, Any]) -> Params:
         return params_from(Params, self.name, values, hidden=_HIDDEN)
+
+    def params_from_user(self, values: dict[str, Any]) -> Params:
+        return public_params_from(Params, self.name, values, _HIDDEN)
 
     def params_to_dict(self, params: Params) -> dict[str, Any]:
         return params_dict(params, hidden=_HIDDEN)
