@@ -180,7 +180,7 @@ def inspect(
     if both:
         raise MageError(f"config: --{both[0]} {flags[both[0]]} and --config {both[0]}={values[both[0]]} disagree; "
                         "give it once")
-    params = op.params_from_user({**values, **flags})
+    params = op.params_from_user({**op.defaults(shape), **values, **flags})
     variant = build(op, shape, params, arch)
     if as_json:
         doc = _variant_dict(op, shape, variant, run)
@@ -227,7 +227,7 @@ def variants(
     op = get_op(op_name)
     shape, run = _problem(op, d=d, m=m, n=n, k=k)
     check_op_arch(op, arch)
-    space = load_space(op, preset)
+    space = load_space(op, preset, shape)
     valid, rejected = expand(op, shape, space)
     if not valid:
         raise MageError(f"space: no config of preset {space.preset} is valid for {op.name} {vars(shape)}; first "
@@ -303,7 +303,8 @@ def emit_command(
     shape, run = _problem(op, d=d, m=m, n=n, k=k)
     check_op_arch(op, arch)
     if config:
-        paths = emit(op, shape, op.params_from_user(_parse_config(config)), arch, out_dir, None)
+        paths = emit(op, shape, op.params_from_user({**op.defaults(shape), **_parse_config(config)}), arch, out_dir,
+                     None)
     else:
         paths = _emit_tuned(op, shape, gpu or _this_gpu(), arch, out_dir, run if m is not None else None)
     for path in paths:
@@ -350,7 +351,7 @@ def _emit_untuned(op: Op, shape: Any, gpu_name: str, arch: str, out_dir: Path) -
                   f"the nearest tuned shape {vars(other)} (untimed at this shape; tune it for a measured winner)",
                   markup=False, highlight=False, soft_wrap=True)
     else:
-        params = op.params_from_dict({})
+        params = op.params_from_dict(op.defaults(shape))
         op.validate(shape, params)
         err.print(f"mage-gen: no tuned {op.name} entry near {vars(shape)} on {gpu_name}; emitting the default "
                   "config (untimed; tune it for a measured winner)", markup=False, highlight=False, soft_wrap=True)
@@ -425,7 +426,7 @@ def tune_command(
         raise MageError(f"objective: use hot or cold, got {objective!r}")
     if study and isinstance(sizes, list) and len(sizes) > 1:
         raise MageError("study: one --study name cannot hold several size classes; leave --study out")
-    space = load_space(op, preset)
+    space = load_space(op, preset, shape)
     valid, rejected = expand(op, shape, space)
     replayed = ReplayBackend(replay) if replay else None  # a bad --replay file is its own one-line error
     try:

@@ -179,7 +179,7 @@ def _pick(op: Op, shape: Any, run: dict[str, int], winners: list[Winner], l2_byt
 
 def _default_params(op: Op, shape: Any) -> Any:
     for values in DEFAULT_CANDIDATES.get(op.name, [{}]):
-        params = op.params_from_dict(values)
+        params = op.params_from_dict({**op.defaults(shape), **values})
         try:
             op.validate(shape, params)
         except ConfigError:

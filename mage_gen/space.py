@@ -25,7 +25,8 @@ class Space:
             yield dict(zip(names, values))
 
 
-def load_space(op: Op, preset: str | None = None) -> Space:
+def load_space(op: Op, preset: str | None = None, shape: Any = None) -> Space:
+    """A preset's axes; with a shape, as the op fits them to it (op.fit_space)."""
     path = data_dir("search") / f"{op.name}.toml"
     try:
         spec = tomllib.loads(path.read_text())
@@ -40,7 +41,10 @@ def load_space(op: Op, preset: str | None = None) -> Space:
         if name not in axes:
             raise ConfigError(f"space: preset {preset} of {path.name} narrows unknown axis {name!r}")
         axes[name] = values
-    return Space(op=op.name, preset=preset, axes=tuple((k, tuple(v)) for k, v in axes.items()))
+    fitted = {k: tuple(v) for k, v in axes.items()}
+    if shape is not None:
+        fitted = op.fit_space(shape, fitted)
+    return Space(op=op.name, preset=preset, axes=tuple(fitted.items()))
 
 
 def expand(op: Op, shape: Any, space: Space) -> tuple[list[Any], list[tuple[Any, str]]]:

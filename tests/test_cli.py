@@ -143,3 +143,26 @@ def test_the_variants_table_shows_the_rows_loads_not_a_weight_vectors():
     done = mage_gen("variants", "layernorm", "--d", "768")
     rows = [line for line in done.stdout.splitlines() if "row T32 V2 R1 approx nc " in line]
     assert rows and all(" x 12×v2 " in line for line in rows[:1]), rows[:1]
+
+
+def test_odd_matmul_shapes_get_copies_their_rows_allow_in_the_default_and_the_quick_preset():
+    done = mage_gen("variants", "matmul", "--m", "127", "--n", "255", "--k", "63", "--json")
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)["variants"]
+    assert found and {v["params"]["b_width"] for v in found} == {4}
+    inspected = mage_gen("inspect", "matmul", "--m", "127", "--n", "255", "--k", "63", "--json")
+    assert inspected.returncode == 0, inspected.stderr
+    assert json.loads(inspected.stdout)["params"]["b_width"] == 4
+    refused = mage_gen("inspect", "matmul", "--m", "127", "--n", "255", "--k", "63", "--config", "b_width=16")
+    assert refused.returncode == 2 and "use b_width=4" in refused.stderr
+
+
+def test_fitting_a_preset_to_a_round_shape_changes_nothing():
+    from mage_gen.ops import get_op
+    from mage_gen.space import load_space
+
+    op = get_op("matmul")
+    for preset in ("quick", "explore", "wide"):
+        assert load_space(op, preset, op.shape(m=1024, n=1024, k=1024)) == load_space(op, preset)
+    fitted = dict(load_space(op, "quick", op.shape(m=127, n=255, k=63)).axes)
+    assert fitted["b_width"] == (4,) and fitted["a_width"] == (4,)

@@ -95,6 +95,12 @@ class LayerNorm:
     def params_from_user(self, values: dict[str, Any]) -> Params:
         return public_params_from(Params, self.name, values, frozenset())
 
+    def defaults(self, shape: Shape) -> dict[str, Any]:
+        return {}
+
+    def fit_space(self, shape: Shape, axes: dict[str, tuple]) -> dict[str, tuple]:
+        return axes
+
     def params_to_dict(self, params: Params) -> dict[str, Any]:
         return params_dict(params)
 

@@ -73,6 +73,11 @@ class Params:
                 f"{' split' if self.split else ''}{' 1bar' if self.sync == 'one' else ''}" + (f" PLANTED {self.plant}" if self.plant else ""))
 
 
+def _widest_copy(*extents: int) -> int:
+    """The widest cp.async (16, 8 or 4 bytes) whose floats divide every extent."""
+    return next(width for width in (16, 8, 4) if all(e % (width // 4) == 0 for e in extents))
+
+
 class Matmul:
     name = "matmul"
     tolerance = 1e-4  # fp32 FMA lands near 1e-6 here; TF32 would land near 3e-4 and fail
@@ -96,6 +101,17 @@ class Matmul:
 
     def params_from_user(self, values: dict[str, Any]) -> Params:
         return public_params_from(Params, self.name, values, _HIDDEN)
+
+    def defaults(self, shape: Shape) -> dict[str, Any]:
+        """The default config's fields that depend on the shape: copies as wide as its rows allow."""
+        return {"a_width": min(Params.a_width, _widest_copy(shape.k)), "b_width": _widest_copy(shape.n)}
+
+    def fit_space(self, shape: Shape, axes: dict[str, tuple]) -> dict[str, tuple]:
+        """A preset's copy widths capped at what this shape's rows allow (16-byte copies of B need N % 4 == 0):
+        a preset written for round sizes then still has configs for N = 255, and the same ones for N = 256."""
+        caps = {"a_width": _widest_copy(shape.k), "b_width": _widest_copy(shape.n)}
+        return {axis: tuple(dict.fromkeys(min(v, caps[axis]) for v in values)) if axis in caps else values
+                for axis, values in axes.items()}
 
     def params_to_dict(self, params: Params) -> dict[str, Any]:
         return params_dict(params, hidden=_HIDDEN)
@@ -143,10 +159,10 @@ class Matmul:
         a_vec, b_vec = p.a_width // 4, p.b_width // 4
         if p.a_layout == "direct" and (shape.k % a_vec or p.bk % a_vec):
             raise ConfigError(f"divisibility: {p.a_width}-byte copies of A rows need K ({shape.k}) and bk ({p.bk}) "
-                              f"to be multiples of {a_vec}")
+                              f"to be multiples of {a_vec}; use a_width={_widest_copy(shape.k, p.bk)}")
         if shape.n % b_vec or p.bn % b_vec:
             raise ConfigError(f"divisibility: {p.b_width}-byte copies of B rows need N ({shape.n}) and bn ({p.bn}) "
-                              f"to be multiples of {b_vec}")
+                              f"to be multiples of {b_vec}; use b_width={_widest_copy(shape.n, p.bn)}")
         for tensor, count in self._copies(p).items():
             if count % threads:
                 raise ConfigError(f"tile-copy: the {tensor} tile is {count} copies, not a multiple of {threads} threads")
