@@ -296,6 +296,7 @@ def emit_command(
                                               "this GPU's tuned winner"),
     gpu: Optional[str] = typer.Option(None, "--gpu", envvar="MAGE_GEN_GPU",
                                       help="the GPU whose tuned/ winner to emit (default: this machine's)"),
+    force: bool = typer.Option(False, "--force", help="replace files in --out that hold another kernel"),
 ) -> None:
     """Write a kernel as standalone .cu, .ptx, .cubin, .launch.json and .h: the tuned winner of each size
     class (of the one that serves --m, where given), or --config."""
@@ -304,9 +305,9 @@ def emit_command(
     check_op_arch(op, arch)
     if config:
         paths = emit(op, shape, op.params_from_user({**op.defaults(shape), **_parse_config(config)}), arch, out_dir,
-                     None)
+                     None, replace=force)
     else:
-        paths = _emit_tuned(op, shape, gpu or _this_gpu(), arch, out_dir, run if m is not None else None)
+        paths = _emit_tuned(op, shape, gpu or _this_gpu(), arch, out_dir, run if m is not None else None, force)
     for path in paths:
         print(path)
 
@@ -326,24 +327,25 @@ def _size_classes(op: Op, shape: Any, winners: list[Winner]) -> dict[str, Any] |
          "kernel": w.entry["kernel"], "objective": w.entry["objective"]} for w in winners]}
 
 
-def _emit_tuned(op: Op, shape: Any, gpu_name: str, arch: str, out_dir: Path, run: dict[str, int] | None
-                ) -> list[Path]:
+def _emit_tuned(op: Op, shape: Any, gpu_name: str, arch: str, out_dir: Path, run: dict[str, int] | None,
+                replace: bool) -> list[Path]:
     """Every size class's winner (only the one that serves `run`, where given). A fixed-size op with no entry
     for this shape takes the params of the nearest tuned shape they are valid for, else its default config,
     and says so."""
     if not op.run_dims and not shape_entries(op, shape, gpu_name):
-        return _emit_untuned(op, shape, gpu_name, arch, out_dir)
+        return _emit_untuned(op, shape, gpu_name, arch, out_dir, replace)
     winners = load_winners(op, shape, gpu_name)
     classes = _size_classes(op, shape, winners)
     if run is not None and op.run_dims:
         winners = [load_winner(op, shape, gpu_name, run)]
     paths: list[Path] = []
     for w in winners:
-        paths += emit(op, shape, w.params, arch, out_dir, w.entry, stem=_stem(op, shape, w), size_classes=classes)
+        paths += emit(op, shape, w.params, arch, out_dir, w.entry, stem=_stem(op, shape, w), size_classes=classes,
+                      replace=replace)
     return paths
 
 
-def _emit_untuned(op: Op, shape: Any, gpu_name: str, arch: str, out_dir: Path) -> list[Path]:
+def _emit_untuned(op: Op, shape: Any, gpu_name: str, arch: str, out_dir: Path, replace: bool) -> list[Path]:
     nearest = dispatch.nearest_shape(op, shape, tuned_shapes(op, gpu_name))
     if nearest is not None:
         other, params = nearest
@@ -355,7 +357,7 @@ def _emit_untuned(op: Op, shape: Any, gpu_name: str, arch: str, out_dir: Path) -
         op.validate(shape, params)
         err.print(f"mage-gen: no tuned {op.name} entry near {vars(shape)} on {gpu_name}; emitting the default "
                   "config (untimed; tune it for a measured winner)", markup=False, highlight=False, soft_wrap=True)
-    return emit(op, shape, params, arch, out_dir, None)
+    return emit(op, shape, params, arch, out_dir, None, replace=replace)
 
 
 def _print_result(op: Op, result: Any, objective: str) -> None:
@@ -460,7 +462,8 @@ def tune_command(
                       " size class)", markup=False, highlight=False)
         _tune_size_class(op, shape, run, space, replayed, seed, objective=objective, trials=trials,
                          storage=storage, study=study)
-    for path in _emit_tuned(op, shape, device["name"], target, out_dir, None):
+    # A tune's job is the new winner: it replaces what an earlier tune emitted into --out.
+    for path in _emit_tuned(op, shape, device["name"], target, out_dir, None, replace=True):
         print(path)
 
 

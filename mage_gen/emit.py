@@ -29,10 +29,11 @@ _C_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def emit(op: Op, shape: Any, params: Any, arch: str, out_dir: Path, provenance: dict[str, Any] | None, *,
-         stem: str | None = None, size_classes: dict | None = None) -> list[Path]:
+         stem: str | None = None, size_classes: dict | None = None, replace: bool = False) -> list[Path]:
     """Write <stem>.cu, .ptx, .cubin, .launch.json and .h into out_dir; the stem is <op>_<shape> unless given.
     provenance is a store entry; size_classes, the caller's table of which kernel serves which sizes, goes
-    into launch.json as given."""
+    into launch.json as given. Files that hold something else (another config, arch or tuning) are replaced
+    only with replace=True; the same kernel written again is no change."""
     stem = f"{op.name}_{op.slug(shape)}" if stem is None else stem
     if not _C_IDENTIFIER.fullmatch(stem):
         raise ConfigError(f"stem: {stem!r} is not a C identifier (letters, digits, _): it prefixes the header's names")
@@ -47,6 +48,8 @@ def emit(op: Op, shape: Any, params: Any, arch: str, out_dir: Path, provenance: 
         f"{stem}.launch.json": (json.dumps(launch_doc, indent=2) + "\n").encode(),
         f"{stem}.h": _c_header(op, shape, variant, stem, header, contract).encode(),
     }
+    if not replace:
+        _refuse_to_replace(out_dir, contents)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         written = []
@@ -59,6 +62,22 @@ def emit(op: Op, shape: Any, params: Any, arch: str, out_dir: Path, provenance: 
 
 
 _OUT_REMEDY = "choose a writable folder with --out"
+
+
+def _refuse_to_replace(out_dir: Path, contents: dict[str, bytes]) -> None:
+    for name, data in contents.items():
+        path = out_dir / name
+        try:
+            same = path.read_bytes() == data
+        except FileNotFoundError:
+            continue
+        except OSError:
+            continue  # unreadable: the write reports what is wrong with the folder
+        if not same:
+            first = path.with_suffix("").with_suffix(".cu")
+            held = first.read_text(errors="replace").split(":", 1)[0].removeprefix("// ") if first.is_file() else "?"
+            raise MageError(f"emit: {path} holds another kernel or build ({held}); pass --force to replace it, or choose "
+                            "another --out")
 
 
 def check_out_dir(out_dir: Path) -> None:

@@ -313,7 +313,7 @@ def test_failed_write_keeps_the_previous_file(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "replace", refuse)
     with pytest.raises(MageError, match="No space left on device"):
-        emit(OP, SHAPE, Params(threads=64), "sm_90", tmp_path, None)
+        emit(OP, SHAPE, Params(threads=64), "sm_90", tmp_path, None, replace=True)
     assert (tmp_path / "layernorm_d768.cu").read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(NAMES)
 
@@ -472,3 +472,20 @@ def test_cli_unwritable_out_dir(tmp_path):
 def test_cli_bad_input(tmp_path, args, says):
     assert_one_line_error(mage_gen_cli(*args, cwd=tmp_path), says)
     assert not (tmp_path / "kernels").exists()
+
+
+def test_cli_emit_never_replaces_another_kernel_without_force(tmp_path):
+    out = tmp_path / "k"
+    first = mage_gen_cli("emit", "layernorm", "--d", "768", "--config", "threads=128", "-o", str(out))
+    assert first.returncode == 0, first.stderr
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    again = mage_gen_cli("emit", "layernorm", "--d", "768", "--config", "threads=128", "-o", str(out))
+    assert again.returncode == 0, again.stderr  # the same kernel again is no change
+    for other in (["--config", "threads=96"], ["--config", "threads=128", "--arch", "sm_80"]):
+        refused = mage_gen_cli("emit", "layernorm", "--d", "768", *other, "-o", str(out))
+        assert refused.returncode == 2
+        assert "holds another kernel or build" in refused.stderr and "--force" in refused.stderr
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    forced = mage_gen_cli("emit", "layernorm", "--d", "768", "--config", "threads=96", "-o", str(out), "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert json.loads((out / "layernorm_d768.launch.json").read_text())["params"]["threads"] == 96
