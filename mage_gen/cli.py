@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import signal
 import json
 import sys
 import time
@@ -516,11 +517,16 @@ def _click_exceptions(name: str) -> tuple[type[BaseException], ...]:
     return tuple(found)
 
 
+_TYPER_INTERRUPTED = 130
+
+
 def main() -> None:
     """Entry point: every error a user can cause is one line on stderr and exit code 2."""
     usage_errors, aborts = _click_exceptions("UsageError"), _click_exceptions("Abort")
     try:
         code = app(standalone_mode=False)
+        if code == _TYPER_INTERRUPTED:  # Typer answers Ctrl-C inside a command with this code, and says nothing
+            raise KeyboardInterrupt
     except MageError as exc:
         err.print(f"mage-gen: error: {exc}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(2)
@@ -531,6 +537,7 @@ def main() -> None:
             err.print(f"mage-gen: error: {exc.format_message()}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(2)
     except (KeyboardInterrupt, *aborts):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # one answer to an interrupt; another must not cut it short
         err.print("mage-gen: interrupted", markup=False)
         sys.exit(130)
     sys.exit(code if isinstance(code, int) else 0)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import os
 import re
-from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+import signal
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +42,25 @@ def build(op: Op, shape: Any, params: Any, arch: str) -> Variant:
     return Variant(params=params, source=source, compiled=compiled, census=take_census(compiled))
 
 
+@contextlib.contextmanager
+def _workers(count: int) -> Iterator[Any]:
+    """Compile processes that an interrupt or an error stops at once: the workers ignore Ctrl-C (the parent
+    alone decides), and on any exception the parent kills them rather than waiting for their queued work,
+    so a second Ctrl-C finds nothing to hang on and no process is left behind. The cache stays whole: an
+    entry appears by one rename, and a killed compile leaves at most a scratch folder."""
+    pool = multiprocessing.get_context().Pool(count, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN))
+    try:
+        yield pool
+        pool.close()
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # decided: a second Ctrl-C must not cut the cleanup short
+        pool.terminate()
+        raise
+    finally:
+        pool.join()
+
+
 def _build_one(job: tuple[str, Any, Any, str]) -> Variant:
     from mage_gen.ops import get_op
 
@@ -59,9 +81,9 @@ def build_all(op: Op, shape: Any, params_list: Sequence[Any], arch: str,
             if progress:
                 progress()
         return results
-    with ProcessPoolExecutor(max_workers=workers) as pool:
+    with _workers(workers) as pool:
         results = []
-        for variant in pool.map(_build_one, jobs, chunksize=4):
+        for variant in pool.imap(_build_one, jobs, chunksize=4):
             results.append(variant)
             if progress:
                 progress()
@@ -86,8 +108,8 @@ def prebuild(op: Op, shape: Any, params_list: Sequence[Any], arch: str,
     if not jobs:
         return 0
     compiled = 0
-    with ProcessPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1)) as pool:
-        for done, ok in enumerate(pool.map(_compile_one, jobs, chunksize=4), 1):
+    with _workers(min(len(jobs), os.cpu_count() or 1)) as pool:
+        for done, ok in enumerate(pool.imap(_compile_one, jobs, chunksize=4), 1):
             compiled += ok
             if progress:
                 progress(done, len(jobs))

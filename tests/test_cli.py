@@ -166,3 +166,33 @@ def test_fitting_a_preset_to_a_round_shape_changes_nothing():
         assert load_space(op, preset, op.shape(m=1024, n=1024, k=1024)) == load_space(op, preset)
     fitted = dict(load_space(op, "quick", op.shape(m=127, n=255, k=63)).axes)
     assert fitted["b_width"] == (4,) and fitted["a_width"] == (4,)
+
+
+@pytest.mark.parametrize("interrupts", [1, 2])
+def test_ctrl_c_during_a_parallel_compile_stops_at_once_and_leaves_nothing_behind(tmp_path, interrupts):
+    import signal
+    import time
+
+    env = {**os.environ, "MAGE_GEN_CACHE": str(tmp_path)}
+    # its own process group, as a terminal's foreground job: Ctrl-C reaches the workers too
+    proc = subprocess.Popen([sys.executable, "-m", "mage_gen", "variants", "layernorm", "--d", "1000", "--preset",
+                             "full"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        assert proc.stderr.readline().startswith("compiling ")  # the workers are busy
+        time.sleep(1.0)
+        for _ in range(interrupts):
+            os.killpg(proc.pid, signal.SIGINT)
+            time.sleep(0.05)
+        rest = proc.communicate(timeout=30)[1]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130 and rest.strip().endswith("mage-gen: interrupted"), rest
+    assert "Traceback" not in rest
+    time.sleep(0.5)
+    with pytest.raises(ProcessLookupError):  # no compile worker outlived it
+        os.killpg(proc.pid, 0)
+    # the cache holds whole entries only (a killed compile leaves at most a scratch folder)
+    entries = [p for p in (tmp_path / "nvrtc").glob("*/*") if not p.name.startswith(".tmp-")]
+    assert all({f.name for f in entry.iterdir()} == {"kernel.ptx", "ptxas.log", "kernel.cubin"} for entry in entries)
