@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import re
 import signal
 import json
 import sys
@@ -110,9 +111,12 @@ def _parse_config(items: list[str]) -> dict[str, Any]:
 
 
 def _config_value(raw: str) -> int | bool | str:
-    """A --config value as the params field expects it: a whole number, true/false (matmul's split), or text."""
+    """A --config value as the params field expects it: a whole number, true/false (matmul's split), or text.
+    A whole number may carry a zero fraction (128.0), as the size options take it (--d 768.0)."""
     if raw.lstrip("-").isdigit():
         return int(raw)
+    if re.fullmatch(r"-?\d+\.0*", raw):
+        return int(raw.split(".")[0])
     if raw.lower() in ("true", "false"):
         return raw.lower() == "true"
     return raw

@@ -86,7 +86,8 @@ def test_inspect_matmul_seed_shows_its_pipeline():
     (["inspect", "matmul", "--m", "64", "--n", "64"], "needs --k"),
     (["inspect", "matmul", "--m", "64", "--n", "64", "--k", "64", "--d", "3"], "takes no --d"),
     (["inspect", "layernorm", "--d", "768", "--n", "3"], "takes no --n"),
-    (["inspect", "matmul", "--m", "64", "--n", "62", "--k", "64"], "divisibility"),
+    (["inspect", "matmul", "--m", "64", "--n", "62", "--k", "64", "--config", "b_width=16"],
+     "divisibility: 16-byte copies of B rows need N (62)"),
     (["inspect", "matmul", "--m", "0", "--n", "64", "--k", "64"], "m-range"),
     (["variants", "matmul", "--m", "64", "--n", "64", "--k", "64", "--preset", "huge"], "unknown preset"),
     (["inspect", "matmul", "--m", "64", "--n", "64", "--k", "64", "--config", "buffers=true"],
@@ -196,3 +197,11 @@ def test_ctrl_c_during_a_parallel_compile_stops_at_once_and_leaves_nothing_behin
     # the cache holds whole entries only (a killed compile leaves at most a scratch folder)
     entries = [p for p in (tmp_path / "nvrtc").glob("*/*") if not p.name.startswith(".tmp-")]
     assert all({f.name for f in entry.iterdir()} == {"kernel.ptx", "ptxas.log", "kernel.cubin"} for entry in entries)
+
+
+def test_a_whole_number_with_a_zero_fraction_is_taken_alike_in_sizes_and_config():
+    sizes = mage_gen("inspect", "layernorm", "--d", "768.0", "--json")
+    config = mage_gen("inspect", "layernorm", "--d", "768", "--config", "threads=128.0", "--json")
+    assert sizes.returncode == config.returncode == 0, sizes.stderr + config.stderr
+    assert json.loads(sizes.stdout)["shape"] == {"d": 768}
+    assert json.loads(config.stdout)["params"]["threads"] == 128
