@@ -237,8 +237,12 @@ def variants(
     if not valid:
         raise MageError(f"space: no config of preset {space.preset} is valid for {op.name} {vars(shape)}; first "
                         f"rejection: {rejected[0][1] if rejected else 'none'}; try a wider --preset ({_PRESETS})")
+    started = time.monotonic()
     with _compiling(len(valid), f"{op.name} {vars(shape)} preset {space.preset} for {arch}") as advance:
         built = build_all(op, shape, valid, arch, progress=advance)
+    cached = sum(v.compiled.from_cache for v in built)
+    err.print(f"{len(built)} variants in {time.monotonic() - started:.0f} s: {len(built) - cached} compiled, {cached} "
+              "read from the compile cache", markup=False, highlight=False, soft_wrap=True)
     if as_json:
         print(json.dumps({"op": op.name, "shape": vars(shape), "preset": space.preset, "arch": arch,
                           "rejected": len(rejected),

@@ -136,8 +136,12 @@ def test_variants_into_a_pipe_prints_a_plan_and_progress(tmp_path):
     lines = done.stderr.strip().splitlines()
     assert lines[0].startswith("compiling ") and "variants of layernorm" in lines[0]
     total = int(lines[0].split()[1])
-    assert lines[-1].strip().startswith(f"{total}/{total} in ")
-    assert len(lines) >= 3  # progress between the plan and the end
+    assert lines[-2].strip().startswith(f"{total}/{total} in ")
+    assert len(lines) >= 4  # progress between the plan and the end
+    assert f"{total} compiled, 0 read from the compile cache" in lines[-1]
+    again = subprocess.run([sys.executable, "-m", "mage_gen", "variants", "layernorm", "--d", "96"],
+                           capture_output=True, text=True, timeout=300, env={**os.environ, "MAGE_GEN_CACHE": str(tmp_path)})
+    assert f"0 compiled, {total} read from the compile cache" in again.stderr.strip().splitlines()[-1]
 
 
 def test_the_variants_table_shows_the_rows_loads_not_a_weight_vectors():
