@@ -55,7 +55,7 @@ def test_layernorm_variants_match_the_reference_on_the_cpu(data):
     assert err <= LN.tolerance, f"{params.label()} at d={d}, M={m}: relative error {err:.3g}"
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_matmul_variants_match_the_reference_on_the_cpu(data):
     dims = st.one_of(st.integers(1, 128), st.sampled_from([64, 128]))
