@@ -29,7 +29,7 @@ from mage_gen.errors import MageError, NoGpuError
 from mage_gen.ops import OPS, Op, get_op
 from mage_gen.resources import data_dir
 from mage_gen.space import expand, load_space
-from mage_gen.store import (Winner, check_can_save, entry_key, load_winner, load_winners, save_entry, shape_entries,
+from mage_gen.store import (Winner, check_can_save, entry_key, load_winners, pick_winner, save_entry, shape_entries,
                             tuned_shapes)
 from mage_gen.timing import Timing
 from mage_gen.variants import Variant, build, build_all, check_op_arch
@@ -346,7 +346,7 @@ def _emit_tuned(op: Op, shape: Any, gpu_name: str, arch: str, out_dir: Path, run
     winners = load_winners(op, shape, gpu_name)
     classes = _size_classes(op, shape, winners)
     if run is not None and op.run_dims:
-        winners = [load_winner(op, shape, gpu_name, run)]
+        winners = [pick_winner(op, shape, winners, run)]
     paths: list[Path] = []
     for w in winners:
         paths += emit(op, shape, w.params, arch, out_dir, w.entry, stem=_stem(op, shape, w), size_classes=classes,

@@ -18,18 +18,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mage_gen import dispatch, gpu
+from mage_gen import gpu
 from mage_gen.compile import compile_source
 from mage_gen.errors import ConfigError, LaunchError, StoreError
 from mage_gen.ops import Op, get_op
 from mage_gen.resources import data_dir
-from mage_gen.store import Winner, load_winners, store_file, tuned_dir
+from mage_gen.store import load_winners, pick_winner, store_file, tuned_dir
 
 # Where a shape has no tuned entry: the first of these the op accepts (validate), in this order.
 DEFAULT_CANDIDATES = {
     "layernorm": [{"template": "row", "threads": t, "vector": v} for v in (4, 2, 1) for t in (128, 256, 512, 1024, 64, 32)]
                  + [{"template": "wide", "threads": t, "vector": v} for v in (4, 1) for t in (1024, 256, 32)],
-    "matmul": [{}],
 }
 
 
@@ -41,18 +40,14 @@ class Prepared:
     """One kernel's launch for one shape and run size, in one context: computed once, then each launch only
     checks the addresses, writes the argument values in place and enqueues."""
 
-    def __init__(self, op: Op, shape: Any, params: Any, run: dict[str, int], kernel: gpu.Kernel, source: str):
-        launch_geometry = op.geometry(shape, params, run)
-        self.kernel, self.source = kernel, source
-        self.grid, self.block = launch_geometry.grid, launch_geometry.block
-        self.shared = launch_geometry.dynamic_shared_bytes
+    def __init__(self, op: Op, shape: Any, params: Any, run: dict[str, int], kernel: gpu.Kernel):
+        geometry = op.geometry(shape, params, run)
         self.op_name = op.name
         self.arg_names = tuple(a.name for a in op.args)
+        alignments = {name: int(t["alignment_bytes"]) for name, t in op.contract(shape, params)["tensors"].items()}
+        self._pointers = [(i, a.name, alignments[a.name]) for i, a in enumerate(op.args) if a.kind in ("in", "out")]
         kinds = ["ptr" if a.kind in ("in", "out") else a.kind for a in op.args]
-        contract = op.contract(shape, params)["tensors"]
-        self.alignments = {name: int(t["alignment_bytes"]) for name, t in contract.items()}
-        self._pointers = [(i, a.name, self.alignments[a.name]) for i, a in enumerate(op.args) if a.kind in ("in", "out")]
-        self._launch = gpu.FixedLaunch(kernel, self.grid, self.block, self.shared, kinds)
+        self._launch = gpu.FixedLaunch(kernel, geometry.grid, geometry.block, geometry.dynamic_shared_bytes, kinds)
         self._lock = threading.Lock()  # the argument values are shared by every thread launching this kernel
 
     def launch(self, values: Sequence[int | float], stream: int) -> None:
@@ -136,17 +131,17 @@ def _prepare(op: Op, dims: dict[str, int], run: dict[str, int], context: int, tu
     except ConfigError as exc:
         raise LaunchError(f"{op.name}: {exc}") from None
     device = gpu.device_info(gpu.current_device())
-    params, source = _choose(op, shape, run, device, tuned_only)
+    params = _choose(op, shape, run, device, tuned_only)
     compiled = compile_source(op.source(shape, params), device.arch)
     kernel = _modules.get((context, compiled.key))
     if kernel is None:
         kernel = _modules[(context, compiled.key)] = gpu.Kernel(
             compiled.cubin, compiled.kernel_name, op.geometry(shape, params, run).dynamic_shared_bytes)
-    return Prepared(op, shape, params, run, kernel, source)
+    return Prepared(op, shape, params, run, kernel)
 
 
-def _choose(op: Op, shape: Any, run: dict[str, int], device: gpu.DeviceInfo, tuned_only: bool) -> tuple[Any, str]:
-    """(params, where they came from): the tuned class dispatch.RULE picks, else a default config."""
+def _choose(op: Op, shape: Any, run: dict[str, int], device: gpu.DeviceInfo, tuned_only: bool) -> Any:
+    """The params of the tuned class dispatch.RULE picks, else of a default config (warned about once)."""
     why = ""
     for folder in tuned_dirs():
         if not store_file(op.name, device.name, folder).exists():
@@ -156,8 +151,7 @@ def _choose(op: Op, shape: Any, run: dict[str, int], device: gpu.DeviceInfo, tun
         except StoreError as exc:
             why = str(exc)
             continue
-        chosen = _pick(op, shape, run, winners, device.l2_bytes)
-        return chosen.params, f"tuned {chosen.key} in {chosen.path}"
+        return pick_winner(op, shape, winners, run, device.l2_bytes).params
     if tuned_only:
         raise LaunchError(f"{op.name}: no tuned kernel for {vars(shape)} on {device.name} "
                           f"({why or 'none in ' + ', '.join(map(str, tuned_dirs()))}); tune it with mage-gen tune")
@@ -167,18 +161,11 @@ def _choose(op: Op, shape: Any, run: dict[str, int], device: gpu.DeviceInfo, tun
         warnings.warn(f"mage-gen: no tuned {op.name} kernel for {vars(shape)} on {device.name} "
                       f"({why or 'none stored'}); running the default config {op.params_to_dict(params)}, "
                       "compiled once and cached: tune it for a measured winner", UntunedKernelWarning, stacklevel=5)
-    return params, "default config"
-
-
-def _pick(op: Op, shape: Any, run: dict[str, int], winners: list[Winner], l2_bytes: int) -> Winner:
-    if len(winners) == 1:
-        return winners[0]
-    chosen = dispatch.choose(op, shape, run, [dispatch.SizeClass(w.key, w.run or {}) for w in winners], l2_bytes)
-    return next(w for w in winners if w.key == chosen.key)
+    return params
 
 
 def _default_params(op: Op, shape: Any) -> Any:
-    for values in DEFAULT_CANDIDATES.get(op.name, [{}]):
+    for values in DEFAULT_CANDIDATES.get(op.name, [{}]):  # matmul: its default config, fitted to the shape
         params = op.params_from_dict({**op.defaults(shape), **values})
         try:
             op.validate(shape, params)

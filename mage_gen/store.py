@@ -54,9 +54,11 @@ class Winner:
 
 def entry_key(op: Op, shape: Any, run: dict[str, int]) -> str:
     """'d=768/float32/m=4096': the shape key, then the size class for an op sized at launch."""
-    key = op.shape_key(shape)
-    sizes = {name: run[name] for name in op.run_dims}
-    return key + ("/" + ",".join(f"{k}={v}" for k, v in sizes.items()) if sizes else "")
+    return op.shape_key(shape) + _class_suffix({name: run[name] for name in op.run_dims})
+
+
+def _class_suffix(run: dict[str, int]) -> str:
+    return "/" + ",".join(f"{k}={v}" for k, v in run.items()) if run else ""
 
 
 def tuned_dir() -> Path:
@@ -162,24 +164,28 @@ def shape_entries(op: Op, shape: Any, gpu_name: str, directory: Path | None = No
 def load_winners(op: Op, shape: Any, gpu_name: str, directory: Path | None = None) -> list[Winner]:
     """The stored winner of every size class of a shape, smallest run size first; each refused when the
     templates changed since it was tuned."""
-    keys = sorted(shape_entries(op, shape, gpu_name, directory),
-                  key=lambda k: sorted(_entry_run(op, load_entry(op.name, gpu_name, k, directory=directory)).items()))
+    keys = shape_entries(op, shape, gpu_name, directory)
     if not keys:  # load_entry words the error: no file, or no entry for this shape
         load_entry(op.name, gpu_name, op.shape_key(shape), directory=directory)
-    return [_winner(op, shape, gpu_name, key, directory) for key in keys]
+    winners = [_winner(op, shape, gpu_name, key, directory) for key in keys]
+    return sorted(winners, key=lambda w: sorted((w.run or {}).items()))
 
 
 def load_winner(op: Op, shape: Any, gpu_name: str, run: dict[str, int] | None = None,
                 directory: Path | None = None, l2_bytes: int | None = None) -> Winner:
     """The stored winner that serves a launch of `run` (default: the op's run defaults), by dispatch.RULE;
     l2_bytes defaults to the L2 recorded with the entries (the GPU they were tuned on)."""
-    winners = load_winners(op, shape, gpu_name, directory)
+    return pick_winner(op, shape, load_winners(op, shape, gpu_name, directory), run, l2_bytes)
+
+
+def pick_winner(op: Op, shape: Any, winners: list[Winner], run: dict[str, int] | None = None,
+                l2_bytes: int | None = None) -> Winner:
+    """Of a shape's winners (one per size class), the one dispatch.RULE picks for a launch of `run`."""
     if len(winners) == 1:
         return winners[0]
     run = dict(op.run_defaults) if run is None else run
     l2 = l2_bytes if l2_bytes is not None else int(winners[0].entry["gpu"]["l2_bytes"])
-    classes = [dispatch.SizeClass(w.key, w.run or {}) for w in winners]
-    chosen = dispatch.choose(op, shape, run, classes, l2)
+    chosen = dispatch.choose(op, shape, run, [dispatch.SizeClass(w.key, w.run or {}) for w in winners], l2)
     return next(w for w in winners if w.key == chosen.key)
 
 
@@ -272,9 +278,7 @@ def _read(path: Path, op_name: str) -> dict[str, Any]:
 def _class_key(key: str, entry: Any) -> str:
     """A format-1 key with the size class its entry was tuned at: 'd=768/float32' + its run {'m': 4096}."""
     run = entry.get("run") if isinstance(entry, dict) else None
-    if not isinstance(run, dict) or not run:
-        return key
-    return key + "/" + ",".join(f"{k}={v}" for k, v in run.items())
+    return key + _class_suffix(run) if isinstance(run, dict) else key
 
 
 def _check_entry(entry: Any, where: str, fix: str = "the tuner must fill it in") -> None:

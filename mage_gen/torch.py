@@ -129,16 +129,11 @@ def _prepare(index: int, op_name: str, dims: dict[str, int], run: dict[str, int]
              tuned_only: bool = False) -> runtime.Prepared:
     """The launch of this shape and run size on device `index`, made once and kept in _launches."""
     with torch.cuda.device(index):
-        prepared = _prepare_in_torch_context(index, op_name, dims, run, tuned_only)
+        torch.cuda.init()
+        gpu.make_primary_current(index)  # torch's context: the device's primary one
+        prepared = runtime.prepare(op_name, dims, run, device=index, tuned_only=tuned_only)
     _launches[(index, op_name, *dims.values(), *run.values())] = prepared
     return prepared
-
-
-def _prepare_in_torch_context(index: int, op_name: str, dims: dict[str, int], run: dict[str, int],
-                              tuned_only: bool) -> runtime.Prepared:
-    torch.cuda.init()
-    gpu.make_primary_current(index)  # torch's context: the device's primary one
-    return runtime.prepare(op_name, dims, run, device=index, tuned_only=tuned_only)
 
 
 def _eager(*tensors: torch.Tensor) -> bool:
