@@ -151,12 +151,6 @@ class KernelArgs:
         self._array = (ctypes.c_void_p * max(len(self._values), 1))(
             *[ctypes.addressof(v) for v in self._values])
 
-    def set(self, values: Sequence[int | float]) -> None:
-        """New values for the same kinds, in place: one KernelArgs serves every launch of a kernel (the
-        driver copies the values when the launch is enqueued)."""
-        for slot, value in zip(self._values, values):
-            slot.value = value
-
     @property
     def address(self) -> int:
         return ctypes.addressof(self._array)
@@ -222,7 +216,9 @@ def synchronize() -> None:
     _check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
 
 
+@cache
 def _init_driver() -> None:
+    """cuInit, once per process (a failure is not cached: the next call tries again)."""
     try:
         err, = cu.cuInit(0)
     except RuntimeError as exc:  # no libcuda on this machine
@@ -275,18 +271,13 @@ def make_primary_current(ordinal: int) -> None:
 
 def current_context() -> int:
     """The calling thread's current context handle, 0 where it has none."""
-    _init_driver_once()
+    _init_driver()
     return int(_check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent"))
 
 
 def current_device() -> int:
     """The device ordinal of the calling thread's current context."""
     return int(_check(cu.cuCtxGetDevice(), "cuCtxGetDevice"))
-
-
-@cache
-def _init_driver_once() -> None:
-    _init_driver()
 
 
 def device_name() -> str:
