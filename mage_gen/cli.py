@@ -506,9 +506,7 @@ def _tune_size_class(op: Op, shape: Any, run: dict[str, int], space: Any, replay
         finally:
             backend.close()
     entry = result.entry(op, shape, run, backend.device, search["objective"])
-    l2 = int(backend.device["l2_bytes"])
-    entry["size_class"] = {**run, "regime": dispatch.regime(op, shape, run, l2), "bytes_moved": op.bytes_moved(shape, run),
-                           "l2_bytes": l2, "rule": dispatch.RULE} if op.run_dims else None
+    entry["size_class"] = dispatch.record(op, shape, run, int(backend.device["l2_bytes"]))
     stored = save_entry(op.name, backend.device["name"], entry_key(op, shape, run), entry)
     _print_result(op, result, search["objective"])
     out.print(f"stored {stored}")

@@ -34,6 +34,15 @@ def regime(op: Op, shape: Any, run: dict[str, int], l2_bytes: int) -> str:
     return "l2" if op.bytes_moved(shape, run) <= l2_bytes else "dram"
 
 
+def record(op: Op, shape: Any, run: dict[str, int], l2_bytes: int) -> dict[str, Any] | None:
+    """What a tuned/ entry records of its size class: the run size, its regime and the rule; None for an op
+    with no run size."""
+    if not op.run_dims:
+        return None
+    return {**run, "regime": regime(op, shape, run, l2_bytes), "bytes_moved": op.bytes_moved(shape, run),
+            "l2_bytes": l2_bytes, "rule": RULE}
+
+
 def _distance(a: dict[str, int], b: dict[str, int]) -> float:
     return sum(abs(math.log(a[k] / b[k])) for k in a)
 

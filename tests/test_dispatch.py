@@ -110,3 +110,10 @@ def test_the_committed_winners_are_keyed_by_size_class():
     root = Path(__file__).resolve().parent.parent / "tuned"
     for winner in load_winners(LN, D768, H200, root):
         assert winner.key == entry_key(LN, D768, winner.run)
+
+
+def test_an_entry_records_its_size_class_and_the_rule():
+    recorded = dispatch.record(LN, D768, {"m": 65536}, L2)
+    assert recorded == {"m": 65536, "regime": "dram", "bytes_moved": LN.bytes_moved(D768, {"m": 65536}),
+                        "l2_bytes": L2, "rule": dispatch.RULE}
+    assert dispatch.record(MM, MM.shape(m=8, n=8, k=8), {}, L2) is None
