@@ -103,8 +103,9 @@ class Matmul:
         return public_params_from(Params, self.name, values, _HIDDEN)
 
     def defaults(self, shape: Shape) -> dict[str, Any]:
-        """The default config's fields that depend on the shape: copies as wide as its rows allow."""
-        return {"a_width": min(Params.a_width, _widest_copy(shape.k)), "b_width": _widest_copy(shape.n)}
+        """The default config's fields that depend on the shape: its copy widths, fitted as a preset's are."""
+        fitted = self.fit_space(shape, {"a_width": (Params.a_width,), "b_width": (Params.b_width,)})
+        return {axis: values[0] for axis, values in fitted.items()}
 
     def fit_space(self, shape: Shape, axes: dict[str, tuple]) -> dict[str, tuple]:
         """A preset's copy widths capped at what this shape's rows allow (16-byte copies of B need N % 4 == 0):
