@@ -10,7 +10,6 @@ import signal
 import json
 import sys
 import time
-import tomllib
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
@@ -27,8 +26,7 @@ from mage_gen.compile import DEFAULT_ARCH, check_arch
 from mage_gen.emit import check_out_dir, emit
 from mage_gen.errors import MageError, NoGpuError
 from mage_gen.ops import OPS, Op, get_op
-from mage_gen.resources import data_dir
-from mage_gen.space import expand, load_space
+from mage_gen.space import expand, load_space, preset_names
 from mage_gen.store import (Winner, check_can_save, entry_key, load_winners, pick_winner, save_entry, shape_entries,
                             tuned_shapes)
 from mage_gen.timing import Timing
@@ -56,14 +54,7 @@ JsonOpt = typer.Option(False, "--json", help="print machine-readable JSON instea
 
 def _preset_names() -> str:
     """'layernorm: quick, full; matmul: quick, ...', read from the search spaces (small TOML files)."""
-    names = []
-    for name in sorted(OPS):
-        try:
-            presets = tomllib.loads((data_dir("search") / f"{name}.toml").read_text()).get("presets", {})
-        except (OSError, tomllib.TOMLDecodeError):
-            continue
-        names.append(f"{name}: {', '.join(presets)}")
-    return "; ".join(names)
+    return "; ".join(f"{name}: {', '.join(preset_names(name))}" for name in sorted(OPS))
 
 
 _PRESETS = _preset_names()

@@ -6,6 +6,7 @@ import itertools
 import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from mage_gen.errors import ConfigError
@@ -25,13 +26,21 @@ class Space:
             yield dict(zip(names, values))
 
 
-def load_space(op: Op, preset: str | None = None, shape: Any = None) -> Space:
-    """A preset's axes; with a shape, as the op fits them to it (op.fit_space)."""
-    path = data_dir("search") / f"{op.name}.toml"
+def _spec(op_name: str) -> tuple[Path, dict[str, Any]]:
+    path = data_dir("search") / f"{op_name}.toml"
     try:
-        spec = tomllib.loads(path.read_text())
+        return path, tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"space: cannot read {path}: {exc}") from None
+
+
+def preset_names(op_name: str) -> list[str]:
+    return list(_spec(op_name)[1].get("presets", {}))
+
+
+def load_space(op: Op, preset: str | None = None, shape: Any = None) -> Space:
+    """A preset's axes; with a shape, as the op fits them to it (op.fit_space)."""
+    path, spec = _spec(op.name)
     presets = spec.get("presets", {})
     preset = preset or spec.get("default_preset") or "full"
     if preset not in presets:
