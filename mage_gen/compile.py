@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import hashlib
-import multiprocessing
 import os
+import pickle
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -84,11 +85,11 @@ def compile_source(source: Source, arch: str = DEFAULT_ARCH, fmad: bool = True) 
                         key=key, from_cache=True)
     ptx, cubin, log = _nvrtc(source, arch, fmad)
     if _RESOURCE_REPORT not in log:
-        # Seen with the NVRTC 13.0 of the GPU machine's image: a program compiled a second time in one process
-        # is answered from NVRTC's memory of it, and ptxas, which did not run, reports nothing. The census
-        # needs that report: a fresh process compiles it anew.
-        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as fresh:
-            ptx, cubin, log = fresh.submit(_nvrtc_anew, source, arch, fmad).result()
+        # Where a driver is installed, NVRTC turns PTX into a cubin through the driver's compute cache
+        # (~/.nv/ComputeCache), shared by every process: PTX it has seen before comes back from there, and
+        # ptxas, which did not run, reports nothing. The census needs that report: a process with the cache
+        # off compiles it anew (a separate interpreter: the caller's environment and its main module untouched).
+        ptx, cubin, log = _nvrtc_without_compute_cache(source, arch, fmad)
     if _RESOURCE_REPORT in log:  # never cache a compile whose report is missing
         _store(entry, ptx, cubin, log)
     return Compiled(kernel_name=source.kernel_name, arch=arch, ptx=ptx, cubin=cubin, log=log, key=key)
@@ -119,9 +120,28 @@ def _check(err: nvrtc.nvrtcResult, call: str) -> None:
         raise CompileError(f"{call} failed: {err.name}")
 
 
-def _nvrtc_anew(source: Source, arch: str, fmad: bool) -> tuple[str, bytes, str]:
-    """_nvrtc in a process that has compiled nothing yet (run by a spawned worker)."""
-    return _nvrtc(source, arch, fmad)
+def _nvrtc_without_compute_cache(source: Source, arch: str, fmad: bool) -> tuple[str, bytes, str]:
+    done = subprocess.run([sys.executable, "-c", "from mage_gen.compile import _compile_from_stdin; _compile_from_stdin()"],
+                          input=pickle.dumps((source, arch, fmad)), capture_output=True,
+                          env={**os.environ, "CUDA_CACHE_DISABLE": "1"}, check=False)
+    if done.returncode != 0:
+        last = (done.stderr.decode(errors="replace").strip().splitlines() or ["no output"])[-1]
+        raise CompileError(f"NVRTC, run again with the driver's compute cache off, failed for {source.kernel_name}: "
+                           f"{last}")
+    outcome, value = pickle.loads(done.stdout)
+    if outcome == "error":
+        raise CompileError(value)
+    return value
+
+
+def _compile_from_stdin() -> None:
+    """The child of _nvrtc_without_compute_cache: (source, arch, fmad) pickled in, its compile pickled out."""
+    source, arch, fmad = pickle.load(sys.stdin.buffer)
+    try:
+        result = ("ok", _nvrtc(source, arch, fmad))
+    except CompileError as exc:
+        result = ("error", str(exc))
+    sys.stdout.buffer.write(pickle.dumps(result))
 
 
 def _nvrtc(source: Source, arch: str, fmad: bool) -> tuple[str, bytes, str]:

@@ -1,3 +1,6 @@
+import dataclasses
+import os
+
 import pytest
 
 from mage_gen.census import take_census
@@ -100,8 +103,6 @@ def test_render_failure_is_a_config_error():
 
 
 def test_a_ptxas_report_without_registers_fails_the_census_rather_than_reading_zero():
-    import dataclasses
-
     op = get_op("layernorm")
     compiled = compile_source(op.source(op.shape(d=768), Params()))
     assert take_census(compiled).registers > 0
@@ -115,14 +116,38 @@ def test_a_ptxas_report_without_registers_fails_the_census_rather_than_reading_z
     assert take_census(no_shared).registers == take_census(compiled).registers
 
 
-def test_a_compile_whose_log_lost_the_resource_report_is_made_again_in_a_fresh_process(monkeypatch, tmp_path):
-    # NVRTC answering a repeated program from memory runs no ptxas and so reports nothing; stand that in
+def test_a_compile_whose_log_lost_the_resource_report_is_made_again_with_the_compute_cache_off(monkeypatch, tmp_path):
+    # Where a driver is installed, NVRTC hands back PTX it has compiled before from the driver's compute cache,
+    # without running ptxas, so the log reports nothing; stand that in for this process
+    import subprocess
+
     from mage_gen import compile as compile_module
 
     monkeypatch.setenv("MAGE_GEN_CACHE", str(tmp_path))
-    real = compile_module._nvrtc
-    monkeypatch.setattr(compile_module, "_nvrtc", lambda *a: (*real(*a)[:2], ""))
+    monkeypatch.delenv("CUDA_CACHE_DISABLE", raising=False)
+    real_nvrtc, real_run = compile_module._nvrtc, subprocess.run
+    monkeypatch.setattr(compile_module, "_nvrtc", lambda *a: (*real_nvrtc(*a)[:2], ""))
+    children = []
+
+    def run(args, **kwargs):
+        children.append(kwargs["env"])
+        return real_run(args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", run)
     op = get_op("layernorm")
     compiled = compile_source(op.source(op.shape(d=640), Params(threads=32, vector=4)))
-    assert take_census(compiled).registers > 0  # the fresh process's report
+    assert take_census(compiled).registers > 0  # the child's report
+    assert [env.get("CUDA_CACHE_DISABLE") for env in children] == ["1"]
+    assert "CUDA_CACHE_DISABLE" not in os.environ  # this process's environment untouched
     assert compile_source(op.source(op.shape(d=640), Params(threads=32, vector=4))).from_cache
+
+
+def test_a_compile_error_in_the_child_is_the_same_one_line_error(monkeypatch, tmp_path):
+    from mage_gen import compile as compile_module
+
+    monkeypatch.setenv("MAGE_GEN_CACHE", str(tmp_path))
+    op = get_op("layernorm")
+    source = op.source(op.shape(d=640), Params(threads=32, vector=4))
+    broken = dataclasses.replace(source, text=source.text + "\nthis is not C++;\n")
+    with pytest.raises(CompileError, match="NVRTC could not compile layernorm_row_d640"):
+        compile_module._nvrtc_without_compute_cache(broken, "sm_90", True)
