@@ -125,11 +125,17 @@ class FixedLaunch:
         self._params = ctypes.c_void_p(ctypes.addressof(self._pointers))
         # Plain ints go to the seven unsigned sizes (all below 2**31); the handle, stream and arrays as pointers.
         self._fixed = (ctypes.c_void_p(int(kernel.function)), *grid, *block, shared)
+        self._call = _driver_launch()
+        self._stream: int | None = None
+        self._arguments: tuple = ()
 
     def launch(self, values: Sequence[int | float], stream: int) -> None:
-        """Not thread-safe: the value buffer is shared (the caller serialises)."""
+        """Not thread-safe: the value buffer and the stream last launched on are shared (the caller serialises)."""
         self._pack(self._buffer, 0, *values)
-        err = _driver_launch()(*self._fixed, ctypes.c_void_p(stream), self._params, None)
+        if stream != self._stream:  # a model launches on one stream: its pointer object is made once, not per call
+            self._arguments = (*self._fixed, ctypes.c_void_p(stream), self._params, None)
+            self._stream = stream
+        err = self._call(*self._arguments)
         if err:
             _check(cu.CUresult(err), f"cuLaunchKernel({self.kernel.name})")
 

@@ -44,18 +44,22 @@ class Prepared:
         geometry = op.geometry(shape, params, run)
         self.op_name = op.name
         self.arg_names = tuple(a.name for a in op.args)
-        alignments = {name: int(t["alignment_bytes"]) for name, t in op.contract(shape, params)["tensors"].items()}
-        self._pointers = [(i, a.name, alignments[a.name]) for i, a in enumerate(op.args) if a.kind in ("in", "out")]
+        pointers = [a.name for a in op.args if a.kind in ("in", "out")]
+        if list(self.arg_names[:len(pointers)]) != pointers:
+            raise ValueError(f"{op.name}: its tensor arguments must come before its scalars, got {self.arg_names}")
+        self._alignments = {name: int(t["alignment_bytes"])
+                            for name, t in op.contract(shape, params)["tensors"].items() if name in pointers}
+        self._pointer_count = len(pointers)
+        self._alignment_mask = max(self._alignments.values(), default=1) - 1  # alignments are powers of two
         kinds = ["ptr" if a.kind in ("in", "out") else a.kind for a in op.args]
         self._launch = gpu.FixedLaunch(kernel, geometry.grid, geometry.block, geometry.dynamic_shared_bytes, kinds)
         self._lock = threading.Lock()  # the argument values are shared by every thread launching this kernel
 
     def launch(self, values: Sequence[int | float], stream: int) -> None:
-        """values: every kernel argument in launch order (addresses for the tensors)."""
-        for index, name, align in self._pointers:
-            address = values[index]
-            if not address or address % align:
-                check_alignment(self.op_name, {name: align}, {name: address})
+        """values: every kernel argument in launch order (addresses for the tensors, which come first)."""
+        for address in values[:self._pointer_count]:
+            if not address or address & self._alignment_mask:  # the strictest alignment first, then each its own
+                check_alignment(self.op_name, self._alignments, dict(zip(self.arg_names, values)))
         with self._lock:
             self._launch.launch(values, stream)
 

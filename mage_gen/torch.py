@@ -20,6 +20,12 @@ from mage_gen import gpu, runtime
 from mage_gen.errors import GpuError, LaunchError
 from mage_gen.ops.layernorm import MAX_ROWS
 
+# Looked up once: an eager call's checks and launch are a good part of its cost at small sizes.
+_Tensor, _float32, _grad_enabled, _is_compiling = torch.Tensor, torch.float32, torch.is_grad_enabled, torch.compiler.is_compiling
+# A CPU-only torch has neither, and no CUDA tensor that could reach a launch.
+_current_device = getattr(torch._C, "_cuda_getDevice", None)
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
 
 def _check_tensor(fn: str, name: str, t: torch.Tensor, device: torch.device | None = None) -> None:
     if not isinstance(t, torch.Tensor):
@@ -42,13 +48,15 @@ def _check_tensor(fn: str, name: str, t: torch.Tensor, device: torch.device | No
 def _check_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> tuple[int, int]:
     # The common case in one expression (an eager call's checks are a good part of its cost); anything else
     # goes through the checks below, which name what is wrong.
-    d = x.shape[-1] if x.dim() else 0
-    if (x.dtype is torch.float32 and weight.dtype is torch.float32 and bias.dtype is torch.float32 and x.is_cuda
+    d = weight.numel()
+    n = x.numel()
+    if (x.dtype is _float32 is weight.dtype is bias.dtype and x.is_cuda
             and x.get_device() == weight.get_device() == bias.get_device()
             and x.is_contiguous() and weight.is_contiguous() and bias.is_contiguous()
-            and weight.shape == (d,) and bias.shape == (d,) and d > 0 and 0 < x.numel() // d <= MAX_ROWS
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad))):
-        return x.numel() // d, d
+            and weight.dim() == 1 == bias.dim() and bias.numel() == d and x.dim() and x.shape[-1] == d
+            and 0 < n <= MAX_ROWS * d
+            and not (_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad))):
+        return n // d, d
     fn = "mage_gen.torch.layer_norm"
     _check_tensor(fn, "x", x)
     for name, t in (("weight", weight), ("bias", bias)):
@@ -113,10 +121,10 @@ _launches: dict[tuple, runtime.Prepared] = {}
 
 
 def _launch(prepared: runtime.Prepared, index: int, values: tuple) -> None:
-    if index != torch._C._cuda_getDevice():  # initialized: the tensors are on the device
+    if index != _current_device():  # initialized: the tensors are on the device
         with torch.cuda.device(index):
             return _launch(prepared, index, values)
-    stream = torch._C._cuda_getCurrentRawStream(index)
+    stream = _current_stream(index)
     try:
         prepared.launch(values, stream)
     except GpuError:
@@ -138,8 +146,8 @@ def _prepare(index: int, op_name: str, dims: dict[str, int], run: dict[str, int]
 
 def _eager(*tensors: torch.Tensor) -> bool:
     """Plain tensors, not under torch.compile, make_fx or any other dispatch mode: the op need not be traced."""
-    return (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
-            and all(type(t) is torch.Tensor for t in tensors))
+    return (not _is_compiling() and _get_current_dispatch_mode() is None
+            and all(type(t) is _Tensor for t in tensors))
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5, *,
@@ -147,7 +155,8 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     """F.layer_norm(x, (d,), weight, bias, eps) for float32 CUDA x of any leading shape, with this GPU's tuned
     kernel for d and the number of rows. out: write into this tensor (x's shape, contiguous, not overlapping
     x) instead of a new one, as a CUDA graph replaying into fixed buffers wants."""
-    if _eager(x, weight, bias) and (out is None or type(out) is torch.Tensor):
+    if (type(x) is _Tensor and type(weight) is _Tensor and type(bias) is _Tensor  # _eager, inline
+            and (out is None or type(out) is _Tensor) and not _is_compiling() and _get_current_dispatch_mode() is None):
         return _layer_norm_impl(x, weight, bias, eps, out)
     if out is not None:
         _check_out(x, out)

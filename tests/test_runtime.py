@@ -144,8 +144,9 @@ def test_the_cli_states_the_tuner_defaults_it_does_not_import():
     assert (cli.EXHAUSTIVE_LIMIT, cli.DEFAULT_TPE_TRIALS) == (tune.EXHAUSTIVE_LIMIT, tune.DEFAULT_TPE_TRIALS)
 
 
-def test_a_fixed_launch_packs_each_value_where_its_parameter_pointer_points(tmp_path, monkeypatch):
-    # a stand-in for libcuda's cuLaunchKernel that copies what it was given
+@pytest.fixture
+def stub_driver(tmp_path, monkeypatch):
+    """A stand-in for libcuda's cuLaunchKernel that records what it was given."""
     import ctypes
     import shutil
 
@@ -155,22 +156,32 @@ def test_a_fixed_launch_packs_each_value_where_its_parameter_pointer_points(tmp_
     if compiler is None:
         pytest.skip("no C compiler")
     (tmp_path / "stub.c").write_text(
-        "static unsigned g[7]; static void** p;\n"
+        "static unsigned g[7]; static void** p; static void* last; static int calls;\n"
         "int cuLaunchKernel(void* f, unsigned a, unsigned b, unsigned c, unsigned d, unsigned e, unsigned h,"
         " unsigned s, void* st, void** params, void** extra)"
-        " { g[0]=a; g[1]=b; g[2]=c; g[3]=d; g[4]=e; g[5]=h; g[6]=s; p = params; return st == (void*)7 ? 0 : 1; }\n"
-        "unsigned grid(int i) { return g[i]; }\nvoid* param(int i) { return p[i]; }\n")
+        " { g[0]=a; g[1]=b; g[2]=c; g[3]=d; g[4]=e; g[5]=h; g[6]=s; p = params; last = st; calls++; return 0; }\n"
+        "unsigned grid(int i) { return g[i]; }\nvoid* param(int i) { return p[i]; }\nint count(void) { return calls; }\n"
+        "void* stream(void) { return last; }\n")
     subprocess.run([compiler, "-shared", "-fPIC", "-o", str(tmp_path / "stub.so"), str(tmp_path / "stub.c")],
                    check=True)
     stub = ctypes.CDLL(str(tmp_path / "stub.so"))
     stub.cuLaunchKernel.restype = ctypes.c_int
-    stub.param.restype = ctypes.c_void_p
+    stub.param.restype = stub.stream.restype = ctypes.c_void_p
     monkeypatch.setattr(gpu, "_driver_launch", lambda: stub.cuLaunchKernel)
+    return stub
 
-    class Loaded:
-        function, name = 1234, "k"
 
-    launch = gpu.FixedLaunch(Loaded(), (19, 2, 1), (128, 1, 1), 4096, ["i32", "ptr", "f32", "i64", "ptr"])
+class _Loaded:
+    function, name = 1234, "k"
+
+
+def test_a_fixed_launch_packs_each_value_where_its_parameter_pointer_points(stub_driver):
+    import ctypes
+
+    from mage_gen import gpu
+
+    stub = stub_driver
+    launch = gpu.FixedLaunch(_Loaded(), (19, 2, 1), (128, 1, 1), 4096, ["i32", "ptr", "f32", "i64", "ptr"])
     launch.launch((-3, 0xDEAD0000BEEF, 1e-5, 1 << 40, 16), 7)
     assert [stub.grid(i) for i in range(7)] == [19, 2, 1, 128, 1, 1, 4096]
     kinds = [ctypes.c_int32, ctypes.c_uint64, ctypes.c_float, ctypes.c_int64, ctypes.c_uint64]
@@ -178,3 +189,23 @@ def test_a_fixed_launch_packs_each_value_where_its_parameter_pointer_points(tmp_
     assert got == [-3, 0xDEAD0000BEEF, pytest.approx(1e-5), 1 << 40, 16]
     for i, kind in enumerate(kinds):  # each value at its natural alignment, as a C struct lays them out
         assert stub.param(i) % ctypes.sizeof(kind) == 0
+    assert stub.stream() == 7
+    for stream in (0xFFFF_8000_0000_1000, 7):  # each launch on the stream it names, not the one before
+        launch.launch((-3, 0xDEAD0000BEEF, 1e-5, 1 << 40, 16), stream)
+        assert stub.stream() == stream
+
+
+def test_each_address_is_held_to_its_own_alignment_not_the_strictest(stub_driver):
+    # matmul 512³'s default config reads A four bytes at a time and B, C sixteen
+    mm = get_op("matmul")
+    shape = mm.shape(m=512, n=512, k=512)
+    params = mm.params_from_dict(mm.defaults(shape))
+    alignments = {name: t["alignment_bytes"] for name, t in mm.contract(shape, params)["tensors"].items()}
+    assert alignments == {"C": 16, "A": 4, "B": 16}
+    prepared = runtime.Prepared(mm, shape, params, {}, _Loaded())
+    prepared.launch((0x10000, 0x20004, 0x30000), 7)  # A at 4 bytes past a 16: allowed
+    assert stub_driver.count() == 1
+    for bad in ((0x10004, 0x20000, 0x30000), (0x10000, 0x20002, 0x30000), (0x10000, 0x20000, 0)):
+        with pytest.raises(LaunchError, match="is not a device address aligned to"):
+            prepared.launch(bad, 7)
+    assert stub_driver.count() == 1
