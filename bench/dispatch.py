@@ -1,7 +1,8 @@
 """The dispatch table's regret: for d in {768, 1024, 4096} and M from 1 row to 262144 (where x fits in a
 gigabyte), every tuned size class of d timed at that M beside the one mage_gen.dispatch picks, Triton at
 its best num_warps and torch, hot and cold, interleaved. regret = dispatched / best tuned class at that M
-(hot and cold each); a dispatched class within the best one's spread is a tie.
+(hot and cold each); a dispatched class within the best one's spread is a tie. Classes whose winners are one
+kernel are timed once, as that kernel: the same launch twice would only measure the noise between them.
 Writes bench/results/<gpu>/dispatch.json.
 
     python bench/dispatch.py
@@ -34,14 +35,17 @@ def bench_point(op, d: int, m: int, device) -> dict:
     dispatched = load_winner(op, shape, device.name, run, l2_bytes=device.l2_bytes)
     bench = Bench(op, shape, run, seed=m * 7 + d)
     subjects, kernels, failed = [], [], {}
+    variants = {w.key: build(op, shape, w.params, device.arch) for w in winners}
+    kernel_of = {key: v.source.kernel_name for key, v in variants.items()}
+    if len({v.source.text for v in variants.values()}) != len(set(kernel_of.values())):
+        raise SystemExit(f"d={d}: two tuned classes differ in source but share a kernel name: {kernel_of}")
     try:
-        for w in winners:
-            variant = build(op, shape, w.params, device.arch)
+        for variant in {v.source.kernel_name: v for v in variants.values()}.values():
             kernel = bench.load(variant)
             kernels.append(kernel)
-            subject, checked = bench.checked_subject(variant, kernel, name=f"tuned:{w.key}")
+            subject, checked = bench.checked_subject(variant, kernel, name=f"kernel:{variant.source.kernel_name}")
             if subject is None:
-                failed[w.key] = checked.reason
+                failed[variant.source.kernel_name] = checked.reason
             else:
                 subjects.append(subject)
         peers, missing = make_peers(op, shape, run, bench.timing_inputs(), None, check=bench.check_tensor)
@@ -54,16 +58,17 @@ def bench_point(op, d: int, m: int, device) -> dict:
         for k in kernels:
             k.unload()
     point = {"m": m, "d": d, "regime": regime(op, shape, run, device.l2_bytes), "dispatched": dispatched.key,
-             "classes": {w.key: {"kernel": w.entry["kernel"], "tuned_at": w.run} for w in winners},
+             "classes": {w.key: {"kernel": kernel_of[w.key], "tuned_at": w.run} for w in winners},
              "failed": failed, "peers_missing": missing, "peer_configs": {p.name: p.config for p in peers},
              "timings": {name: {"hot": hot[name].to_dict(), "cold": cold[name].to_dict()} for name in hot}}
-    mine = f"tuned:{dispatched.key}"
+    mine = f"kernel:{kernel_of[dispatched.key]}"
     for method, table in (("hot", hot), ("cold", cold)):
-        tuned = {name: t for name, t in table.items() if name.startswith("tuned:")}
+        tuned = {name: t for name, t in table.items() if name.startswith("kernel:")}
         if mine not in tuned:
             continue
         best = min(tuned, key=lambda name: tuned[name].median_us)
-        point[f"{method}_best_class"] = best.removeprefix("tuned:")
+        point[f"{method}_best_kernel"] = best.removeprefix("kernel:")
+        point[f"{method}_best_classes"] = [key for key, name in kernel_of.items() if f"kernel:{name}" == best]
         point[f"{method}_regret"] = tuned[mine].median_us / tuned[best].median_us
         point[f"{method}_regret_tie"] = tuned[mine].ties_with(tuned[best])
         point[f"{method}_ratio"] = {p.name: tuned[mine].median_us / table[p.name].median_us for p in peers}
@@ -79,7 +84,8 @@ def main() -> None:
         "what": "layer norm size-class dispatch: the dispatched tuned class against every tuned class of d at "
                 "each M, and the peers, fp32, recorded by bench/dispatch.py",
         "method": {"rule": RULE, "regret": "dispatched class median / fastest tuned class median at that M, "
-                                           "hot and cold each; *_regret_tie: within the larger spread",
+                                           "hot and cold each; *_regret_tie: within the larger spread; "
+                                           "classes sharing a kernel are timed once, as that kernel",
                    "gate": "every class and peer checked at M rows of the timing inputs (on the GPU) before it "
                            "is timed; classes also gated on fresh inputs at the op's gate sizes",
                    **timing_method(ROUNDS, PER_ROUND)},
@@ -93,7 +99,7 @@ def main() -> None:
     print(f"{'M×d':>12} {'regime':6} {'dispatched':24} {'hot':>7} {'regret':>6} {'cold':>7} {'regret':>6} "
           f"{'triton':>7} {'torch':>7}")
     for p in points:
-        t = p["timings"].get(f"tuned:{p['dispatched']}")
+        t = p["timings"].get(f"kernel:{p['classes'][p['dispatched']]['kernel']}")
         if t is None:
             print(f"{p['m']:>6}x{p['d']:<5} {p['regime']:6} {p['dispatched']:24} FAILED: {p['failed']}")
             continue
