@@ -391,8 +391,9 @@ def _print_result(op: Op, result: Any, objective: str) -> None:
     for name, why in list(result.failed.items())[:5]:
         out.print(f"  failed {name}: {why}", markup=False)
     if result.tie:
+        other = "cold" if objective == "hot" else "hot"
         out.print(f"tie: {result.winner.name} and {', '.join(result.tied_with)} are within each other's spread; "
-                  "kept the one with fewer registers, then fewer threads")
+                  f"kept the fastest {other} (or tied with it), then the one with fewer registers, then fewer threads")
     for name, why in result.dropped.items():
         out.print(f"  not compared: {name}: {why}", markup=False)
 

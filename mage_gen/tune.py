@@ -4,7 +4,8 @@ Exhaustive when the valid space is small, TPE otherwise. Infeasible suggestions 
 compiler and do not use up the trial budget; a config already measured (in this run or an earlier one
 of the same study) is answered from the study, not measured again; a failed compile or gate is a failed
 trial with its reason. Finalists are re-timed interleaved with the peers, and a winner that does not
-beat the runner-up by more than their spread is a tie, broken by fewer registers, then fewer threads.
+beat the runner-up by more than their spread is a tie, broken by the other method (hot for a cold objective,
+cold for a hot one), then by fewer registers, then fewer threads.
 """
 
 from __future__ import annotations
@@ -288,7 +289,12 @@ def _finish(op, shape, study, done, valid, rejected, backend, objective, measure
     ranked.sort(key=lambda f: f.timing(objective).median_us)
     fastest = ranked[0]
     tied = [f for f in ranked if f.timing(objective).ties_with(fastest.timing(objective))]
-    winner = min(tied, key=lambda f: (f.registers, f.threads, f.timing(objective).median_us))
+    # Tied on the objective, a kernel the other method times faster is the better one to keep: a size class
+    # tuned hot is also launched cold. Within a tie on both, the frugal one.
+    other = "cold" if objective == "hot" else "hot"
+    best_other = min(tied, key=lambda f: f.timing(other).median_us).timing(other)
+    winner = min((f for f in tied if f.timing(other).ties_with(best_other)),
+                 key=lambda f: (f.registers, f.threads, f.timing(objective).median_us))
     peers = {name: {**timings[name], "config": peer_configs.get(name, {})} for name in peer_configs}
     return TuneResult(
         study=study.study_name, sampler=sampler, valid=len(valid), rejected=len(rejected), measured=measured,

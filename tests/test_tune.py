@@ -370,6 +370,24 @@ def test_tie_goes_to_fewer_registers_then_fewer_threads(recording, wide, tmp_pat
         assert result.runner_ups[0].name == frugal
 
 
+@pytest.mark.parametrize("objective", ["hot", "cold"])
+def test_a_tie_on_the_objective_goes_to_the_faster_on_the_other_method_before_fewer_registers(
+        recording, wide, tmp_path, wide_census, objective):
+    # fast and frugal tie on the objective; fast (more registers) is clearly faster on the other method
+    fast, frugal = pick_pair(wide_census, "registers")
+    other = "cold" if objective == "hot" else "hot"
+    held = by_kernel(recording)
+    for i, k in enumerate(sorted(wide_census)):
+        timed(held[k], 20.0 + i, 0.01)
+    timed(held[fast], 5.00, 0.10)
+    timed(held[frugal], 5.04, 0.10)
+    for name, other_median in ((fast, 4.0), (frugal, 4.6)):
+        held[name][other] = Timing(method=other, samples=20, median_us=other_median, spread_us=0.05,
+                                   min_us=other_median - 0.05).to_dict()
+    result = run_tune(Recorder(write_derived(tmp_path, recording)), wide, tmp_path, objective=objective)
+    assert result.tie and result.winner.name == fast and result.tied_with == [frugal]
+
+
 def test_cold_objective_searches_and_ranks_by_cold(recording, wide, tmp_path, wide_census):
     # Derived from the recording: a is fastest hot; b is slowest hot (not among the 5 hot finalists of the
     # 6) but fastest cold; nothing ties.
