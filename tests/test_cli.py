@@ -41,13 +41,13 @@ def test_inspect_matmul_config_takes_booleans_and_the_one_barrier_sync():
 
 
 def test_variants_json_lists_only_valid_configs():
-    done = mage_gen("variants", "layernorm", "--d", "256", "--preset", "quick", "--json")
+    done = mage_gen("variants", "layernorm", "--d", "128", "--preset", "quick", "--json")
     assert done.returncode == 0, done.stderr
     doc = json.loads(done.stdout)
     assert doc["preset"] == "quick" and doc["rejected"] > 0 and doc["variants"]
     assert all(v["census"]["spill_bytes"] == 0 for v in doc["variants"])
-    # a row of 256 floats keeps at most 256 / vector threads busy: no variant wastes a warp
-    assert all(v["params"]["threads"] <= 256 // v["params"]["vector"] for v in doc["variants"])
+    # a row of 128 floats keeps at most 128 / vector threads busy: no variant wastes a warp
+    assert all(v["params"]["threads"] <= 128 // v["params"]["vector"] for v in doc["variants"])
 
 
 @pytest.mark.parametrize("args, says", [

@@ -58,7 +58,7 @@ def test_layernorm_variants_match_the_reference_on_the_cpu(data):
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_matmul_variants_match_the_reference_on_the_cpu(data):
-    dims = st.one_of(st.integers(1, 128), st.sampled_from([64, 128]))
+    dims = st.one_of(st.integers(1, 96), st.sampled_from([64, 128]))  # the interpreter's cost grows as m·n·k
     m, k = data.draw(dims, label="m"), data.draw(dims, label="k")
     n = data.draw(st.one_of(st.integers(1, 32).map(lambda x: 4 * x), st.sampled_from([64, 128])), label="n")
     valid = mm_valid(m, n, k)

@@ -522,9 +522,13 @@ def test_cli_tune_without_a_gpu_compiles_then_says_a_gpu_is_needed(tmp_path):
 
 
 def test_tpe_with_a_budget_of_the_whole_space_measures_all_of_it(recording_path, recorded, tmp_path):
-    # Late in a search TPE mostly proposes measured configs; the tuner then enqueues unmeasured ones.
-    valid, _ = expand(OP, SHAPE, recorded)
+    # Late in a search TPE mostly proposes measured configs; the tuner then enqueues unmeasured ones. A space
+    # just past the exhaustive limit: TPE's cost grows with the square of the trials.
+    space = Space(op=OP.name, preset="no-wide", axes=tuple(
+        (axis, tuple(v for v in values if v != "wide")) for axis, values in recorded.axes))
+    valid, _ = expand(OP, SHAPE, space)
+    assert EXHAUSTIVE_LIMIT < len(valid) < len(expand(OP, SHAPE, recorded)[0])
     backend = Recorder(recording_path)
-    result = run_tune(backend, recorded, tmp_path, study_name="all", trials=len(valid))
+    result = run_tune(backend, space, tmp_path, study_name="all", trials=len(valid))
     assert result.sampler == "tpe" and result.measured == len(valid)
     assert collections.Counter(backend.evaluated) == collections.Counter(kernels(valid))
