@@ -26,7 +26,7 @@ from _common import provenance, timing_method, write_result  # bench/_common.py,
 DS = (768, 1024, 4096)
 MS = (1, 37, 512, 4096, 16384, 65536, 262144)
 MAX_ELEMENTS = 1 << 28  # x of at most 1 GB: the float64 reference of the timing inputs is built on the CPU
-ROUNDS, PER_ROUND = 8, 6  # more than the other benches: cold launches of a few rows are noisy
+ROUNDS, PER_ROUND = 12, 6  # more than the other benches: cold launches of a few rows are noisy
 
 
 def bench_point(op, d: int, m: int, device) -> dict:
