@@ -47,6 +47,8 @@ class Census:
     bar_sync: int = 0
     shfl_sync: int = 0
     rsqrt_approx: int = 0
+    half_widen: int = 0  # cvt.f32.bf16 / cvt.f32.f16: one 16-bit element to f32
+    half_narrow: int = 0  # cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32: two f32 rounded into one 32-bit pair
 
     @property
     def spill_bytes(self) -> int:
@@ -94,6 +96,10 @@ def _resource(log: str, name: str, pattern: str, kernel: str) -> int:
     return 0  # no shared memory or barriers: ptxas leaves them out
 
 
+_HALF_WIDEN = re.compile(r"\bcvt\.f32\.b?f16\b")
+_HALF_NARROW = re.compile(r"\bcvt\.rn\.b?f16x2\.f32\b")
+
+
 def _width(parts: list[str]) -> str:
     return next((_WIDTHS[p] for p in parts if p in _WIDTHS), "scalar")
 
@@ -112,6 +118,9 @@ def take_census(compiled: Compiled) -> Census:
     cp_async: Counter = Counter()
     waits: Counter = Counter()
     for raw in compiled.ptx.splitlines():
+        # an inline-asm block holds several instructions on one line: conversions are counted wherever they are
+        counts["half_widen"] += len(_HALF_WIDEN.findall(raw))
+        counts["half_narrow"] += len(_HALF_NARROW.findall(raw))
         line = _GUARD.sub("", raw.strip())
         if not line or line.startswith("//") or line.startswith("."):
             continue
@@ -148,4 +157,5 @@ def take_census(compiled: Compiled) -> Census:
         cp_async=dict(sorted(cp_async.items())), commit_groups=counts["commit_groups"],
         wait_groups=dict(sorted(waits.items())), bar_sync=counts["bar_sync"],
         shfl_sync=counts["shfl_sync"], rsqrt_approx=counts["rsqrt_approx"],
+        half_widen=counts["half_widen"], half_narrow=counts["half_narrow"],
     )

@@ -45,12 +45,23 @@ def _operands(regs: Sequence[str], start: int = 0) -> str:
     return names[0] if len(names) == 1 else "{" + ", ".join(names) + "}"
 
 
-def _outputs(regs: Sequence[str]) -> str:
-    return ", ".join(f'"=f"({r})' for r in regs)
+# The inline-asm constraint of a register of each PTX type a memory instruction moves: a float, or 32 bits
+# holding two bf16/f16 halves.
+_CONSTRAINTS = {"f32": "f", "b32": "r"}
 
 
-def _inputs(regs: Sequence[str]) -> str:
-    return ", ".join(f'"f"({r})' for r in regs)
+def _constraint(kind: str) -> str:
+    if kind not in _CONSTRAINTS:
+        raise jinja2.TemplateRuntimeError(f"a memory instruction moves {sorted(_CONSTRAINTS)} registers, got {kind!r}")
+    return _CONSTRAINTS[kind]
+
+
+def _outputs(regs: Sequence[str], kind: str = "f32") -> str:
+    return ", ".join(f'"={_constraint(kind)}"({r})' for r in regs)
+
+
+def _inputs(regs: Sequence[str], kind: str = "f32") -> str:
+    return ", ".join(f'"{_constraint(kind)}"({r})' for r in regs)
 
 
 def _ptx_tag(tag: str) -> str:
@@ -83,6 +94,15 @@ def _regs(array: str, count: int, start: int = 0) -> list[str]:
     return [f"{array}[{i}]" for i in range(start, start + count)]
 
 
+HALF_TYPES = ("bf16", "f16")
+
+
+def _half_type(dtype: str) -> str:
+    if dtype not in HALF_TYPES:
+        raise jinja2.TemplateRuntimeError(f"a packed half is one of {HALF_TYPES}, got {dtype!r}")
+    return dtype
+
+
 def _fail(message: str) -> None:
     raise jinja2.TemplateRuntimeError(message)
 
@@ -108,6 +128,7 @@ def environment() -> jinja2.Environment:
         cp_level=_cp_level,
         butterfly=_butterfly,
         regs=_regs,
+        half_type=_half_type,
         fail=_fail,
     )
     return env

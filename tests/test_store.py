@@ -2,6 +2,7 @@
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -211,3 +212,14 @@ def test_write_atomic_replaces_with_the_umask_mode(tmp_path):
     assert target.read_bytes() == b"new"
     assert target.stat().st_mode & 0o777 == 0o644  # not mkstemp's 0600
     assert [p.name for p in tmp_path.iterdir()] == ["f.json"]
+
+
+def test_every_committed_winner_was_tuned_with_the_templates_as_they_are():
+    # A template edit (even to the shared PTX vocabulary) makes the winners tuned with it stale: the runtime
+    # would then run default configs. New vocabulary goes where no committed winner's template reads it.
+    from mage_gen.render import template_hash
+
+    for path in sorted((Path(__file__).parent.parent / "tuned").glob("*/*.json")):
+        entries = json.loads(path.read_text())["entries"]
+        stale = [key for key, e in entries.items() if e["template_hash"] != template_hash(e["template"])]
+        assert not stale, f"{path}: {stale} were tuned with templates that have changed since; re-tune them"

@@ -262,10 +262,66 @@ def _selp(dec, st, parts):
 def _mov(dec, st, parts):
     typ = type_of(parts)
     dt = DTYPES[typ]
-    if len(st.operands) != 2 or st.operands[1].startswith("{") or st.operands[0].startswith("{"):
-        raise UnknownInstruction("mov with a vector operand not implemented")
-    a = dec.src(st.operands[1], dt)
-    return _emit(dec, st.operands[0], a)
+    if len(st.operands) != 2:
+        raise UnknownInstruction("mov takes a destination and a source")
+    dst, src = st.operands[0].strip(), st.operands[1].strip()
+    if dst.startswith("{") or src.startswith("{"):
+        return _mov_vector(dec, dt, dst, src)
+    return _emit(dec, dst, dec.src(src, dt))
+
+
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _mov_vector(dec, dt, dst: str, src: str):
+    """mov.bN {a, b, ...}, x splits x into equal parts, the first from the lowest bits; mov.bN x, {a, b, ...}
+    joins them the same way."""
+    size = np.dtype(dt).itemsize
+    if np.dtype(dt).kind != "u" or (dst.startswith("{") == src.startswith("{")):
+        raise UnknownInstruction("mov with a vector operand is implemented for one bit-typed side only")
+    names = dec.vector(dst if dst.startswith("{") else src)
+    if size % len(names):
+        raise UnknownInstruction(f"{len(names)} parts do not split a {8 * size}-bit register")
+    part = _UNSIGNED[size // len(names)]
+    bits = np.uint64(8 * (size // len(names)))
+    if dst.startswith("{"):
+        whole = dec.src(src, dt)
+        slots = [dec.dst(n) for n in names]
+
+        def split(w, m):
+            value = _full(whole(w.r)).astype(np.uint64)
+            for i, slot in enumerate(slots):
+                w.put(slot, ((value >> (bits * np.uint64(i))) & np.uint64((1 << int(bits)) - 1)).astype(part), m)
+        return split
+    pieces = [dec.src(n, part) for n in names]
+
+    def join(r):
+        value = np.zeros(LANES, np.uint64)
+        for i, piece in enumerate(pieces):
+            value |= _full(piece(r)).astype(np.uint64) << (bits * np.uint64(i))
+        return value.astype(dt)
+    return _emit(dec, dst, join)
+
+
+def _cvt_half(dec, st, dtyp: str, styp: str, rnd: str | None):
+    """Conversions between f32 and bf16 / f16, single and packed in pairs (bf16 held as its bits)."""
+    if dtyp == "f32" and styp in ("bf16", "f16"):
+        a = dec.src(st.operands[1], np.uint16)
+        widen = fp.bf16_to_f32 if styp == "bf16" else (lambda bits: np.asarray(bits).view(np.float16).astype(np.float32))
+        return _emit(dec, st.operands[0], lambda r: widen(_full(a(r))))
+    narrow = {"bf16": fp.f32_to_bf16, "f16": fp.f32_to_f16, "bf16x2": fp.f32_to_bf16, "f16x2": fp.f32_to_f16}.get(dtyp)
+    if styp != "f32" or narrow is None:
+        raise UnknownInstruction(f"cvt from .{styp} to .{dtyp} not implemented")
+    if rnd != "rn":
+        raise UnknownInstruction(f"cvt to .{dtyp} is implemented with .rn only")
+    if dtyp.endswith("x2"):  # d = {a in the upper half, b in the lower}
+        if len(st.operands) != 3:
+            raise UnknownInstruction(f"cvt.rn.{dtyp}.f32 takes a destination and two sources")
+        upper, lower = dec.src(st.operands[1], np.float32), dec.src(st.operands[2], np.float32)
+        return _emit(dec, st.operands[0], lambda r: (narrow(_full(upper(r))).astype(np.uint32) << np.uint32(16))
+                     | narrow(_full(lower(r))).astype(np.uint32))
+    a = dec.src(st.operands[1], np.float32)
+    return _emit(dec, st.operands[0], lambda r: narrow(_full(a(r))))
 
 
 _ROUND_INT = {"rni": np.rint, "rzi": np.trunc, "rmi": np.floor, "rpi": np.ceil}
@@ -278,6 +334,9 @@ def _cvt(dec, st, parts):
     dtyp, styp = types
     ddt, sdt = np.dtype(DTYPES[dtyp]), np.dtype(DTYPES[styp])
     mods = [p for p in parts[1:] if p not in TYPES]
+    if {"bf16", "bf16x2", "f16x2"} & {dtyp, styp} or (dtyp == "f16" and styp == "f32") or (styp == "f16" and dtyp == "f32"):
+        _unsupported(parts, {"rn"})
+        return _cvt_half(dec, st, dtyp, styp, "rn" if "rn" in mods else None)
     _unsupported(parts, {"rn", "rz", "rm", "rp", "rni", "rzi", "rmi", "rpi", "ftz", "sat"})
     a = dec.src(st.operands[1], sdt.type)
     rnd = next((x for x in mods if x in ("rn", "rz", "rm", "rp", "rni", "rzi", "rmi", "rpi")), None)

@@ -10,6 +10,11 @@ the tie and rounds to 1 + 2⁻²³ (tests/test_interp.py checks both). So fma_f3
 with its exact error (TwoSum) and, where the float64 sum is exactly a float32 tie, lets the error's sign
 break it.
 
+bf16 and f16 (cvt.f32.bf16 / .f16, cvt.rn.bf16x2.f32 / .f16x2.f32): widening is exact; narrowing rounds to
+nearest even, overflowing to infinity. A NaN narrows to the canonical NaN 0x7FFF: finite values and
+infinities are bit-exact (tests/test_interp.py compares every case with torch's conversion), a NaN's
+payload is not modelled.
+
 Where the GPU may differ: add/mul without a rounding modifier may be fused into an fma by ptxas, and
 rsqrt.approx / div.full / div.approx are approximations on the GPU; here they are computed correctly
 rounded, which lies within their documented error. The op tolerances absorb both.
@@ -51,3 +56,27 @@ def rsqrt_f32(x: np.ndarray) -> np.ndarray:
     """1/sqrt(x), correctly rounded: within rsqrt.approx's documented error (2^-22.9 relative)."""
     with np.errstate(divide="ignore", invalid="ignore"):
         return (1.0 / np.sqrt(x.astype(np.float64))).astype(np.float32)
+
+
+CANONICAL_HALF_NAN = np.uint16(0x7FFF)
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    """The float32 a bf16's bits stand for: its upper half."""
+    return (np.asarray(bits).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """cvt.rn.bf16.f32: the bits of x rounded to nearest even bf16."""
+    x = np.asarray(x, dtype=np.float32)
+    u = x.view(np.uint32).astype(np.uint64)
+    rounded = ((u + np.uint64(0x7FFF) + ((u >> np.uint64(16)) & np.uint64(1))) >> np.uint64(16)).astype(np.uint16)
+    return np.where(np.isnan(x), CANONICAL_HALF_NAN, rounded).astype(np.uint16)
+
+
+def f32_to_f16(x: np.ndarray) -> np.ndarray:
+    """cvt.rn.f16.f32 as bits: IEEE round to nearest even (numpy's conversion), NaN canonical."""
+    x = np.asarray(x, dtype=np.float32)
+    with np.errstate(over="ignore"):
+        bits = x.astype(np.float16).view(np.uint16)
+    return np.where(np.isnan(x), CANONICAL_HALF_NAN, bits).astype(np.uint16)
