@@ -125,6 +125,7 @@ def _variant_dict(op: Op, shape: Any, variant: Variant, run: dict[str, int]) -> 
         "op": op.name, "shape": vars(shape), "params": op.params_to_dict(variant.params),
         "kernel": variant.source.kernel_name, "arch": variant.compiled.arch,
         "template": variant.source.template, "template_hash": variant.source.template_hash,
+        "source_hash": variant.source.source_hash,
         "launch": _launch_dict(op, shape, variant.params, run),
         "census": variant.census.to_dict(),
     }

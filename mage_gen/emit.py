@@ -109,6 +109,7 @@ def _launch_doc(op: Op, shape: Any, variant: Variant, provenance: dict[str, Any]
         "shape": asdict(shape),
         "template": source.template,
         "template_hash": source.template_hash,
+        "source_hash": source.source_hash,
         "mage_gen": mage_gen.__version__,
         "nvrtc": nvrtc_version(),
         "provenance": provenance,

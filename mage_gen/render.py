@@ -20,8 +20,14 @@ class Source:
     text: str
     kernel_name: str
     template: str
-    template_hash: str  # of every template file the render read: a change to any of them makes tuned/ stale
+    template_hash: str  # of every template file the render read
     params: Any
+
+    @property
+    def source_hash(self) -> str:
+        """Of the kernel's text: a winner is stale when the text its params render to has changed, whatever
+        changed it (a template, or the op module that fills it in), and only then."""
+        return hashlib.sha256(self.text.encode()).hexdigest()[:16]
 
 
 # ---- helpers the PTX vocabulary calls; they keep string logic out of the templates ----

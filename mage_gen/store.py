@@ -28,6 +28,7 @@ from typing import Any
 from mage_gen import dispatch
 from mage_gen.errors import ConfigError, MageError, StoreError
 from mage_gen.ops import Op
+from mage_gen.render import Source
 from mage_gen.timing import Timing
 
 FORMAT = 2
@@ -127,9 +128,9 @@ def unwritable(folder: Path) -> str | None:
     return None
 
 
-def load_entry(op_name: str, gpu_name: str, shape_key: str, current_template_hash: str | None = None,
+def load_entry(op_name: str, gpu_name: str, shape_key: str, current: Source | None = None,
                directory: Path | None = None) -> dict[str, Any]:
-    """The stored winner for a shape; with current_template_hash, refuses one made from other templates."""
+    """The stored winner for a shape; with `current` (what its params render to now), refuses a stale one."""
     path = store_file(op_name, gpu_name, directory)
     tune = _tune_command(op_name, shape_key)
     remedy = f"run `{tune}` on this GPU, or pass --config"
@@ -145,10 +146,19 @@ def load_entry(op_name: str, gpu_name: str, shape_key: str, current_template_has
         raise StoreError(f"{path} has no entry for {shape_key} (it has: {have}): {remedy}")
     entry = entries[shape_key]
     _check_entry(entry, f"{path}: entry {shape_key}", fix=f"re-run `{tune}` on this GPU, or pass --config")
-    if current_template_hash is not None and entry["template_hash"] != current_template_hash:
-        raise StoreError(f"{path}: entry {shape_key} is stale: made from another template version "
-                         f"(hash {entry['template_hash']}, templates now {current_template_hash}): {remedy}")
+    if current is not None and not is_current(entry, current):
+        kind = "source" if "source_hash" in entry else "template"
+        raise StoreError(f"{path}: entry {shape_key} is stale: its kernel has changed since it was tuned "
+                         f"({kind} hash {entry[kind + '_hash']}, now {getattr(current, kind + '_hash')}): {remedy}")
     return entry
+
+
+def is_current(entry: dict[str, Any], current: Source) -> bool:
+    """Whether an entry was tuned with the kernel its params render to now: the same text where the entry
+    records it (source_hash); for an entry written before that was recorded, the same template files."""
+    if "source_hash" in entry:
+        return entry["source_hash"] == current.source_hash
+    return entry["template_hash"] == current.template_hash
 
 
 def shape_entries(op: Op, shape: Any, gpu_name: str, directory: Path | None = None) -> dict[str, dict[str, Any]]:
@@ -199,12 +209,12 @@ def _winner(op: Op, shape: Any, gpu_name: str, key: str, directory: Path | None)
     stored = load_entry(op.name, gpu_name, key, directory=directory)
     try:
         params = op.params_from_dict(stored["params"])
-        current = op.source(shape, params).template_hash
+        current = op.source(shape, params)
     except ConfigError as exc:
         raise StoreError(f"{path}: entry {key} holds params this mage-gen cannot build ({exc}); "
                          f"run `{_tune_command(op.name, key)}` on this GPU, or pass --config") from None
     # Read again with the hash: the check that refuses a stale entry is load_entry's alone.
-    entry = load_entry(op.name, gpu_name, key, current_template_hash=current, directory=directory)
+    entry = load_entry(op.name, gpu_name, key, current=current, directory=directory)
     return Winner(params=op.params_from_dict(entry["params"]), entry=entry, path=path, key=key,
                   run=_entry_run(op, entry))
 

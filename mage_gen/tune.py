@@ -55,6 +55,7 @@ class Finalist:
     census: dict[str, Any]
     template: str
     template_hash: str
+    source_hash: str
 
     def timing(self, objective: str) -> Timing:
         return self.hot if objective == "hot" else self.cold
@@ -97,7 +98,8 @@ class TuneResult:
         w = self.winner
         return {
             "shape": vars(shape), "run": run, "dtype": "float32", "params": op.params_to_dict(w.params),
-            "kernel": w.name, "template": w.template, "template_hash": w.template_hash, "objective": objective,
+            "kernel": w.name, "template": w.template, "template_hash": w.template_hash, "source_hash": w.source_hash,
+            "objective": objective,
             "timings": {"hot": w.hot.to_dict(), "cold": w.cold.to_dict()},
             "peers": {name: {"hot": p["hot"].to_dict(), "cold": p["cold"].to_dict(), "config": p["config"]}
                       for name, p in self.peers.items()},
@@ -174,14 +176,15 @@ def tune(op: Op, shape: Any, run: dict[str, int], space: Space, backend: Backend
     valid_keys = {params_key(op, p): p for p in valid}
 
     @functools.cache
-    def template_hash(key: str) -> str:  # rendered only for configs a trial or an earlier run touches
-        return op.source(shape, valid_keys[key]).template_hash
+    def source_hash(key: str) -> str:  # rendered only for configs a trial or an earlier run touches
+        return op.source(shape, valid_keys[key]).source_hash
 
     done: dict[str, Outcome] = {}
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)):
         key = t.user_attrs.get("params_key")
-        # A result measured from another template version is stale: that config is measured again.
-        if key in valid_keys and t.user_attrs.get("template_hash") == template_hash(key):
+        # A result measured from another kernel text is stale (as is one recorded before the text was hashed):
+        # that config is measured again.
+        if key in valid_keys and t.user_attrs.get("source_hash") == source_hash(key):
             done.setdefault(key, Outcome.of(t))
     from_earlier_runs = len(done)
     unmeasured = [k for k in valid_keys if k not in done]
@@ -228,7 +231,7 @@ def tune(op: Op, shape: Any, run: dict[str, int], space: Space, backend: Backend
             stalls += 1
             continue
         trial.set_user_attr("params_key", key)
-        trial.set_user_attr("template_hash", template_hash(key))
+        trial.set_user_attr("source_hash", source_hash(key))
         value, kernel, reason = _measure(op, shape, params, backend, trial, objective)
         if value is None:
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
@@ -281,7 +284,8 @@ def _finish(op, shape, study, done, valid, rejected, backend, objective, measure
         Finalist(name=v.source.kernel_name, params=v.params, registers=v.census.registers,
                  threads=op.geometry(shape, v.params, {k: 1 for k in op.run_dims}).threads,
                  hot=timings[v.source.kernel_name]["hot"], cold=timings[v.source.kernel_name]["cold"],
-                 census=v.census.to_dict(), template=v.source.template, template_hash=v.source.template_hash)
+                 census=v.census.to_dict(), template=v.source.template, template_hash=v.source.template_hash,
+                 source_hash=v.source.source_hash)
         for v in finalists if v.source.kernel_name in timings
     ]
     if not ranked:

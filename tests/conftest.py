@@ -53,6 +53,7 @@ def synthetic_entry():
             "kernel": variant.source.kernel_name,
             "template": variant.source.template,
             "template_hash": variant.source.template_hash,
+            "source_hash": variant.source.source_hash,
             "objective": "hot",
             "timings": {"hot": Timing.from_samples("hot", [5.10, 5.12, 5.14, 5.20, 5.11]).to_dict(),
                         "cold": Timing.from_samples("cold", [9.40, 9.52, 9.61, 9.45, 9.70]).to_dict()},

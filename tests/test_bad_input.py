@@ -51,8 +51,8 @@ def corrupt_tuned(tmp_path: Path, make_entry) -> None:
 
 
 def stale_tuned(tmp_path: Path, make_entry) -> None:
-    # A valid entry, except that the templates it was made from are not today's.
-    entry = make_entry(template_hash="0123456789abcdef")
+    # A valid entry, except that the kernel it was tuned with is not today's.
+    entry = make_entry(source_hash="0123456789abcdef")
     save_entry("layernorm", H200, "d=768/float32/m=4096", entry, directory=tmp_path / "tuned")
 
 

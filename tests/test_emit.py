@@ -437,12 +437,12 @@ def test_cli_without_a_gpu_name(tmp_path):
 
 
 def test_cli_stale_winner(tmp_path, synthetic_entry):
-    # a SYNTHETIC entry whose templates have changed since it was tuned
-    save_entry("layernorm", "NVIDIA H200", "d=768/float32", synthetic_entry(template_hash="0123456789abcdef"),
+    # a SYNTHETIC entry whose kernel has changed since it was tuned
+    save_entry("layernorm", "NVIDIA H200", "d=768/float32", synthetic_entry(source_hash="0123456789abcdef"),
                directory=tmp_path)
     done = mage_gen_cli("emit", "layernorm", "--d", "768", "-o", str(tmp_path / "out"), tuned=tmp_path,
                         gpu="NVIDIA H200")
-    assert_one_line_error(done, "made from another template version")
+    assert_one_line_error(done, "its kernel has changed since it was tuned")
     assert not (tmp_path / "out").exists()
 
 

@@ -120,13 +120,34 @@ def test_missing_entry_names_the_file_and_what_it_has(tmp_path, synthetic_entry)
 
 
 def test_stale_entry_is_refused_only_when_asked(tmp_path, synthetic_entry):
-    save_entry("layernorm", H200, KEY, synthetic_entry(template_hash="0123456789abcdef"), directory=tmp_path)
-    current = OP.source(OP.shape(d=768), Params()).template_hash
-    assert load_entry("layernorm", H200, KEY, directory=tmp_path)["template_hash"] == "0123456789abcdef"
-    with pytest.raises(StoreError, match="made from another template version") as raised:
-        load_entry("layernorm", H200, KEY, current_template_hash=current, directory=tmp_path)
-    assert "0123456789abcdef" in str(raised.value) and current in str(raised.value)
+    save_entry("layernorm", H200, KEY, synthetic_entry(source_hash="0123456789abcdef"), directory=tmp_path)
+    current = OP.source(OP.shape(d=768), Params(template="row", threads=128, vector=4))
+    assert load_entry("layernorm", H200, KEY, directory=tmp_path)["source_hash"] == "0123456789abcdef"
+    with pytest.raises(StoreError, match="its kernel has changed since it was tuned") as raised:
+        load_entry("layernorm", H200, KEY, current=current, directory=tmp_path)
+    assert "0123456789abcdef" in str(raised.value) and current.source_hash in str(raised.value)
     assert "mage-gen tune layernorm --d 768" in str(raised.value)
+
+
+def test_a_template_edit_that_leaves_a_kernel_as_it_was_keeps_its_winner(tmp_path, synthetic_entry):
+    # the template files hash differently, the text the winner's params render to is the same
+    entry = synthetic_entry(template_hash="0123456789abcdef")
+    save_entry("layernorm", H200, KEY, entry, directory=tmp_path)
+    assert load_winner(OP, OP.shape(d=768), H200, directory=tmp_path).entry["template_hash"] == "0123456789abcdef"
+
+
+@pytest.mark.parametrize("template_hash, stale", [("0123456789abcdef", True), (None, False)])
+def test_an_entry_without_a_source_hash_is_judged_by_its_template_files(tmp_path, synthetic_entry,
+                                                                        template_hash, stale):
+    entry = synthetic_entry()
+    del entry["source_hash"]
+    entry["template_hash"] = template_hash or entry["template_hash"]
+    save_entry("layernorm", H200, KEY, entry, directory=tmp_path)
+    if stale:
+        with pytest.raises(StoreError, match="template hash 0123456789abcdef"):
+            load_winner(OP, OP.shape(d=768), H200, directory=tmp_path)
+    else:
+        assert load_winner(OP, OP.shape(d=768), H200, directory=tmp_path).key == KEY
 
 
 def test_load_winner_rebuilds_params_and_checks_the_templates(tmp_path, synthetic_entry):
@@ -135,8 +156,8 @@ def test_load_winner_rebuilds_params_and_checks_the_templates(tmp_path, syntheti
     winner = load_winner(OP, OP.shape(d=768), H200, directory=tmp_path)
     assert winner.params == Params(template="multirow", threads=64, rows_per_block=2, hint="stream")
     assert winner.path == store_file("layernorm", H200, tmp_path)
-    save_entry("layernorm", H200, KEY, synthetic_entry(params=params, template_hash="stale"), directory=tmp_path)
-    with pytest.raises(StoreError, match="another template version"):
+    save_entry("layernorm", H200, KEY, synthetic_entry(params=params, source_hash="stale"), directory=tmp_path)
+    with pytest.raises(StoreError, match="its kernel has changed"):
         load_winner(OP, OP.shape(d=768), H200, directory=tmp_path)
 
 
@@ -214,12 +235,13 @@ def test_write_atomic_replaces_with_the_umask_mode(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["f.json"]
 
 
-def test_every_committed_winner_was_tuned_with_the_templates_as_they_are():
-    # A template edit (even to the shared PTX vocabulary) makes the winners tuned with it stale: the runtime
-    # would then run default configs. New vocabulary goes where no committed winner's template reads it.
-    from mage_gen.render import template_hash
-
+def test_every_committed_winner_renders_to_the_kernel_it_was_tuned_with():
+    # A change to a template or an op module that alters a committed winner's kernel makes it stale: the
+    # runtime would then run default configs.
     for path in sorted((Path(__file__).parent.parent / "tuned").glob("*/*.json")):
-        entries = json.loads(path.read_text())["entries"]
-        stale = [key for key, e in entries.items() if e["template_hash"] != template_hash(e["template"])]
-        assert not stale, f"{path}: {stale} were tuned with templates that have changed since; re-tune them"
+        doc = json.loads(path.read_text())
+        op = get_op(doc["op"])
+        stale = [key for key, e in doc["entries"].items()
+                 if "source_hash" not in e or not store.is_current(e, op.source(op.shape(**e["shape"]),
+                                                                               op.params_from_dict(e["params"])))]
+        assert not stale, f"{path}: {stale} were tuned with kernels that have changed since; re-tune them"
