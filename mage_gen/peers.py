@@ -52,6 +52,17 @@ if triton is not None:
         tl.store(Y + row * N + cols, diff * rstd * w + b, mask=mask)
 
     @triton.jit
+    def _triton_rmsnorm(X, Y, W, N, eps, BLOCK: tl.constexpr):
+        # One program per row, as the layer norm: the mean of squares, no mean subtracted, no bias.
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < N
+        x = tl.load(X + row * N + cols, mask=mask, other=0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+        w = tl.load(W + cols, mask=mask)
+        tl.store(Y + row * N + cols, x * rstd * w, mask=mask)
+
+    @triton.jit
     def _triton_matmul(A, B, C, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GROUP_M: tl.constexpr):
         # C = A·B, all row-major; one BLOCK_M×BLOCK_N tile of C per program, fp32 products and sums
@@ -133,11 +144,13 @@ def _torch_flush_buffer():
     return _FLUSH[0]
 
 
-def _layernorm_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float) -> dict[str, list[TorchSubject]]:
-    x, w, b = (torch.from_numpy(inputs[k]).cuda() for k in ("x", "w", "b"))
+def _row_norm_candidates(torch_call: Callable[[], Any], torch_fn: str, triton_kernel: Any,
+                         tensors: list[Any], eps: float) -> dict[str, list[TorchSubject]]:
+    """torch's norm, and the Triton kernel (one program per row, called as kernel(x, y, *rest, d, eps)) at each
+    num_warps; tensors: x, then the rest of the kernel's inputs in order."""
+    x = tensors[0]
     m, d = x.shape
-    candidates = {"torch": [TorchSubject(
-        "torch", lambda: torch.nn.functional.layer_norm(x, (d,), w, b, eps), {"fn": "F.layer_norm"})]}
+    candidates = {"torch": [TorchSubject("torch", torch_call, {"fn": torch_fn})]}
     if triton is not None:
         block = triton.next_power_of_2(d)
 
@@ -145,13 +158,25 @@ def _layernorm_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float)
             y = torch.full_like(x, float("nan"))  # one per candidate, NaN until written, as for matmul
 
             def go():
-                _triton_layernorm[(m,)](x, y, w, b, d, eps, BLOCK=block, num_warps=warps)
+                triton_kernel[(m,)](x, y, *tensors[1:], d, eps, BLOCK=block, num_warps=warps)
                 return y
             return go
 
         candidates["triton"] = [TorchSubject(f"triton/w{warps}", triton_run(warps),
                                              {"num_warps": warps, "BLOCK": block}) for warps in TRITON_WARPS]
     return candidates
+
+
+def _layernorm_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float) -> dict[str, list[TorchSubject]]:
+    x, w, b = (torch.from_numpy(inputs[k]).cuda() for k in ("x", "w", "b"))
+    return _row_norm_candidates(lambda: torch.nn.functional.layer_norm(x, (x.shape[1],), w, b, eps), "F.layer_norm",
+                                _triton_layernorm if triton is not None else None, [x, w, b], eps)
+
+
+def _rmsnorm_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float) -> dict[str, list[TorchSubject]]:
+    x, w = (torch.from_numpy(inputs[k]).cuda() for k in ("x", "w"))
+    return _row_norm_candidates(lambda: torch.nn.functional.rms_norm(x, (x.shape[1],), w, eps), "F.rms_norm",
+                                _triton_rmsnorm if triton is not None else None, [x, w], eps)
 
 
 def _matmul_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float) -> dict[str, list[TorchSubject]]:
@@ -192,7 +217,7 @@ def _matmul_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float) ->
     return candidates
 
 
-_CANDIDATES = {"layernorm": _layernorm_candidates, "matmul": _matmul_candidates}
+_CANDIDATES = {"layernorm": _layernorm_candidates, "rmsnorm": _rmsnorm_candidates, "matmul": _matmul_candidates}
 
 
 def make_peers(op: Op, shape: Any, run: dict[str, int], inputs: dict[str, np.ndarray],

@@ -26,10 +26,9 @@ from mage_gen.resources import data_dir
 from mage_gen.store import load_winners, pick_winner, store_file, tuned_dir
 
 # Where a shape has no tuned entry: the first of these the op accepts (validate), in this order.
-DEFAULT_CANDIDATES = {
-    "layernorm": [{"template": "row", "threads": t, "vector": v} for v in (4, 2, 1) for t in (128, 256, 512, 1024, 64, 32)]
-                 + [{"template": "wide", "threads": t, "vector": v} for v in (4, 1) for t in (1024, 256, 32)],
-}
+_ROW_NORM_DEFAULTS = ([{"template": "row", "threads": t, "vector": v} for v in (4, 2, 1) for t in (128, 256, 512, 1024, 64, 32)]
+                      + [{"template": "wide", "threads": t, "vector": v} for v in (4, 1) for t in (1024, 256, 32)])
+DEFAULT_CANDIDATES = {"layernorm": _ROW_NORM_DEFAULTS, "rmsnorm": _ROW_NORM_DEFAULTS}
 
 
 class UntunedKernelWarning(UserWarning):

@@ -79,6 +79,7 @@ class LayerNorm:
             Arg("eps", "f32"))
     eps = 1e-5
     min_arch = 70  # ld.global.nc.L1::no_allocate
+    norm = "layer"  # the templates' NORM: what the row is normalized by (RMSNorm: "rms")
 
     # ---- shapes and params ----
     def shape(self, **dims: int) -> Shape:
@@ -172,7 +173,7 @@ class LayerNorm:
             GUARD_ROWS=r > 1 or p.grid_cap > 0, PERSISTENT=p.grid_cap > 0, STATS=p.stats,
             INV_D=f"{1.0 / d:.9e}f", RSQRT=p.rsqrt,
             X_HINT=x_hint, Y_HINT=y_hint, WB_HINT=wb_hint,
-            X_HINT_PASS1="nc" if p.hint != "none" else "", X_HINT_PASS2=x_hint, UNROLL=4,
+            X_HINT_PASS1="nc" if p.hint != "none" else "", X_HINT_PASS2=x_hint, UNROLL=4, NORM=self.norm,
         )
 
     def source(self, shape: Shape, p: Params) -> Source:
