@@ -2,6 +2,7 @@
 
     from mage_gen import runtime
     runtime.layer_norm(y, x, w, b, m=4096, d=768, eps=1e-5, stream=0)   # y, x, w, b: device addresses
+    runtime.rms_norm(y, x, w, m=4096, d=4096, eps=1e-6, stream=0)
 
 The kernel for a launch is this GPU's tuned entry for the shape, of the size class dispatch.RULE picks for
 the run size; a shape with no usable entry compiles a default config (NVRTC, cached on disk) and warns once.
@@ -85,6 +86,11 @@ def layer_norm(y: int, x: int, w: int, b: int, m: int, d: int, eps: float = 1e-5
     GPU whose primary context is made current where the calling thread has no context."""
     launch("layernorm", {"d": d}, {"m": m}, {"y": y, "x": x, "w": w, "b": b}, {"M": m, "eps": eps}, stream,
            device=device)
+
+
+def rms_norm(y: int, x: int, w: int, m: int, d: int, eps: float = 1e-6, stream: int = 0, *, device: int = 0) -> None:
+    """y = x·rstd·w with rstd = 1/sqrt(mean(x²) + eps) over each of m rows of d float32s; as layer_norm."""
+    launch("rmsnorm", {"d": d}, {"m": m}, {"y": y, "x": x, "w": w}, {"M": m, "eps": eps}, stream, device=device)
 
 
 def matmul(c: int, a: int, b: int, m: int, n: int, k: int, stream: int = 0, *, device: int = 0) -> None:

@@ -1,10 +1,11 @@
 """mage-gen's tuned kernels as PyTorch ops.
 
-    from mage_gen.torch import layer_norm, matmul
+    from mage_gen.torch import layer_norm, matmul, rms_norm
     y = layer_norm(x, weight, bias, eps=1e-5)   # x: (..., d) float32 CUDA; weight, bias: (d,)
+    y = rms_norm(x, weight, eps=1e-6)           # x: (..., d) float32 CUDA; weight: (d,)
     c = matmul(a, b)                            # a: (M, K), b: (K, N) float32 CUDA, a tuned (M, N, K)
 
-Both are torch.library custom ops (mage_gen::layer_norm, mage_gen::matmul) with fake implementations, so
+They are torch.library custom ops (mage_gen::layer_norm, mage_gen::rms_norm, mage_gen::matmul) with fake implementations, so
 torch.compile(fullgraph=True) keeps them in its graph. They launch through mage_gen.runtime on torch's
 current stream (inside torch.cuda.graph capture too). In eager mode, with plain tensors and no dispatch mode
 active, the wrappers call the implementation directly: the dispatcher's round trip would cost more than the
@@ -45,26 +46,27 @@ def _check_tensor(fn: str, name: str, t: torch.Tensor, device: torch.device | No
                           f"pass {name}.contiguous()")
 
 
-def _check_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> tuple[int, int]:
+def _check_norm(fn: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[int, int]:
+    """(rows, d) of a row norm's arguments (bias None: RMSNorm), or an error naming the argument."""
     # The common case in one expression (an eager call's checks are a good part of its cost); anything else
     # goes through the checks below, which name what is wrong.
     d = weight.numel()
     n = x.numel()
-    if (x.dtype is _float32 is weight.dtype is bias.dtype and x.is_cuda
-            and x.get_device() == weight.get_device() == bias.get_device()
-            and x.is_contiguous() and weight.is_contiguous() and bias.is_contiguous()
-            and weight.dim() == 1 == bias.dim() and bias.numel() == d and x.dim() and x.shape[-1] == d
-            and 0 < n <= MAX_ROWS * d
-            and not (_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad))):
+    if (x.dtype is _float32 is weight.dtype and x.is_cuda and x.get_device() == weight.get_device()
+            and x.is_contiguous() and weight.is_contiguous() and weight.dim() == 1 and x.dim() and x.shape[-1] == d
+            and 0 < n <= MAX_ROWS * d and not (_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            and (bias is None or (bias.dtype is _float32 and bias.get_device() == x.get_device()
+                                  and bias.is_contiguous() and bias.dim() == 1 and bias.numel() == d
+                                  and not (_grad_enabled() and bias.requires_grad)))):
         return n // d, d
-    fn = "mage_gen.torch.layer_norm"
+    vectors = (("weight", weight),) + ((("bias", bias),) if bias is not None else ())
     _check_tensor(fn, "x", x)
-    for name, t in (("weight", weight), ("bias", bias)):
+    for name, t in vectors:
         _check_tensor(fn, name, t, x.device)
     if x.dim() < 1:
         raise LaunchError(f"{fn}: x must have at least one dimension (rows × d), got a 0-d tensor")
     d = x.shape[-1]
-    for name, t in (("weight", weight), ("bias", bias)):
+    for name, t in vectors:
         if tuple(t.shape) != (d,):
             raise LaunchError(f"{fn}: {name} must have shape ({d},) to match x's last dimension, got {tuple(t.shape)}")
     m = x.numel() // d if d else 0
@@ -78,37 +80,54 @@ def _check_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor)
 
 @torch.library.custom_op("mage_gen::layer_norm", mutates_args=())
 def _layer_norm_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
-    return _layer_norm_impl(x, weight, bias, eps)
+    return _norm_impl("layernorm", x, weight, bias, eps)
 
 
 @_layer_norm_op.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
-    _check_layer_norm(x, weight, bias)
+    _check_norm("mage_gen.torch.layer_norm", x, weight, bias)
     return torch.empty_like(x)
 
 
-def _layer_norm_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-    m, d = _check_layer_norm(x, weight, bias)
+@torch.library.custom_op("mage_gen::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _norm_impl("rmsnorm", x, weight, None, eps)
+
+
+@_rms_norm_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    _check_norm("mage_gen.torch.rms_norm", x, weight)
+    return torch.empty_like(x)
+
+
+_PUBLIC = {"layernorm": "mage_gen.torch.layer_norm", "rmsnorm": "mage_gen.torch.rms_norm"}
+
+
+def _norm_impl(op_name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    fn = _PUBLIC[op_name]
+    m, d = _check_norm(fn, x, weight, bias)
     if out is None:
         y = torch.empty_like(x)
     else:
-        _check_out(x, out)
-        if any(_overlap(out, t) for t in (x, weight, bias)):
-            raise LaunchError("mage_gen.torch.layer_norm: out overlaps an input; the kernel reads each input "
-                              "while it writes out, so give out its own memory")
+        _check_out(fn, x, out)
+        if any(_overlap(out, t) for t in (x, weight, bias) if t is not None):
+            raise LaunchError(f"{fn}: out overlaps an input; the kernel reads each input while it writes out, so "
+                              "give out its own memory")
         y = out
     index = x.get_device()
-    prepared = _launches.get((index, "layernorm", d, m)) or _prepare(index, "layernorm", {"d": d}, {"m": m})
-    _launch(prepared, index, (y.data_ptr(), x.data_ptr(), weight.data_ptr(), bias.data_ptr(), m, float(eps)))
+    prepared = _launches.get((index, op_name, d, m)) or _prepare(index, op_name, {"d": d}, {"m": m})
+    if bias is None:
+        _launch(prepared, index, (y.data_ptr(), x.data_ptr(), weight.data_ptr(), m, float(eps)))
+    else:
+        _launch(prepared, index, (y.data_ptr(), x.data_ptr(), weight.data_ptr(), bias.data_ptr(), m, float(eps)))
     return y
 
 
-def _check_out(x: torch.Tensor, out: torch.Tensor) -> None:
-    _check_tensor("mage_gen.torch.layer_norm", "out", out, x.device)
+def _check_out(fn: str, x: torch.Tensor, out: torch.Tensor) -> None:
+    _check_tensor(fn, "out", out, x.device)
     if out.shape != x.shape:
-        raise LaunchError(f"mage_gen.torch.layer_norm: out must have x's shape {tuple(x.shape)}, got "
-                          f"{tuple(out.shape)}")
+        raise LaunchError(f"{fn}: out must have x's shape {tuple(x.shape)}, got {tuple(out.shape)}")
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -157,10 +176,23 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     x) instead of a new one, as a CUDA graph replaying into fixed buffers wants."""
     if (type(x) is _Tensor and type(weight) is _Tensor and type(bias) is _Tensor  # _eager, inline
             and (out is None or type(out) is _Tensor) and not _is_compiling() and _get_current_dispatch_mode() is None):
-        return _layer_norm_impl(x, weight, bias, eps, out)
+        return _norm_impl("layernorm", x, weight, bias, eps, out)
     if out is not None:
-        _check_out(x, out)
+        _check_out(_PUBLIC["layernorm"], x, out)
     y = _layer_norm_op(x, weight, bias, eps)
+    return y if out is None else out.copy_(y)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """F.rms_norm(x, (d,), weight, eps) for float32 CUDA x of any leading shape, with this GPU's tuned kernel
+    for d and the number of rows; out as for layer_norm."""
+    if (type(x) is _Tensor and type(weight) is _Tensor and (out is None or type(out) is _Tensor)
+            and not _is_compiling() and _get_current_dispatch_mode() is None):
+        return _norm_impl("rmsnorm", x, weight, None, eps, out)
+    if out is not None:
+        _check_out(_PUBLIC["rmsnorm"], x, out)
+    y = _rms_norm_op(x, weight, eps)
     return y if out is None else out.copy_(y)
 
 

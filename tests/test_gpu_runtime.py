@@ -54,6 +54,23 @@ def test_layer_norm_matches_float64_at_any_d_and_m(d, m, seed):
     assert err <= LN.tolerance, f"d={d} m={m}: relative error {err:.3g}"
 
 
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(d=st.integers(1, 16384), m=st.integers(1, 70000), seed=st.integers(0, 2**31 - 1))
+def test_rms_norm_matches_float64_at_any_d_and_m(d, m, seed):
+    if m * d > 1 << 28:
+        m = max(1, (1 << 28) // d)
+    x, w, _ = inputs(m, d, seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UntunedKernelWarning)
+        torch.full_like(x, float("nan"))
+        y = mt.rms_norm(x, w, 1e-6)
+    torch.cuda.synchronize()
+    ref = torch.nn.functional.rms_norm(x.double(), (d,), w.double(), 1e-6)
+    assert not torch.isnan(y).any(), f"d={d} m={m}: NaN in the output"
+    err = relative_error(y, ref)
+    assert err <= get_op("rmsnorm").tolerance, f"d={d} m={m}: relative error {err:.3g}"
+
+
 def test_an_untuned_d_warns_once_and_still_computes():
     x, w, b = inputs(5, 1000 + 3, 1)
     with pytest.warns(UntunedKernelWarning, match="default config"):

@@ -72,6 +72,19 @@ def test_bad_arguments_name_the_argument(make, message):
             mt.layer_norm(x, w, b)
 
 
+@pytest.mark.parametrize("make, message", [
+    (lambda: (fake(4, 768, dtype=torch.bfloat16), fake(768)), "x must be float32, got torch.bfloat16"),
+    (lambda: (fake(4, 768), fake(767)), r"weight must have shape \(768,\)"),
+    (lambda: (fake(4, 768), fake(768, device="cpu")), "weight must be on a CUDA device"),
+    (lambda: (fake(0, 768), fake(768)), r"x has shape \(0, 768\): no rows to normalize"),
+])
+def test_rms_norm_names_a_bad_argument(make, message):
+    with FakeTensorMode():
+        x, w = make()
+        with pytest.raises((LaunchError, TypeError), match="^mage_gen.torch.rms_norm: " + message):
+            mt.rms_norm(x, w)
+
+
 def test_an_input_that_requires_grad_is_refused_not_silently_detached():
     # (a fake CUDA tensor cannot require grad without a CUDA build; the check comes first, so CPU shows it)
     x, w, b = torch.ones(4, 768, requires_grad=True), torch.ones(768), torch.zeros(768)
@@ -106,7 +119,9 @@ class Block(torch.nn.Module):
         return mt.layer_norm(x * 2, self.w, self.b) + 1
 
 
-def test_torch_compile_fullgraph_keeps_the_op_in_one_graph():
+def compile_in_one_graph(make_module, *shape: int) -> tuple[torch.Tensor, list]:
+    """make_module() compiled with fullgraph=True and run on a fake CUDA tensor of `shape`: (its output, the
+    functions its one graph calls)."""
     graphs = []
 
     def backend(gm, example_inputs):
@@ -115,12 +130,32 @@ def test_torch_compile_fullgraph_keeps_the_op_in_one_graph():
 
     torch._dynamo.reset()
     with FakeTensorMode():
-        compiled = torch.compile(Block(768), fullgraph=True, backend=backend)
-        y = compiled(fake(3, 5, 768))
-    assert y.shape == (3, 5, 768) and y.device.type == "cuda"
+        y = torch.compile(make_module(), fullgraph=True, backend=backend)(fake(*shape))
     (graph,) = graphs
-    targets = [node.target for node in graph.graph.nodes if node.op == "call_function"]
+    return y, [node.target for node in graph.graph.nodes if node.op == "call_function"]
+
+
+def test_torch_compile_fullgraph_keeps_the_op_in_one_graph():
+    y, targets = compile_in_one_graph(lambda: Block(768), 3, 5, 768)
+    assert y.shape == (3, 5, 768) and y.device.type == "cuda"
     assert torch.ops.mage_gen.layer_norm.default in targets and len(targets) == 3
+
+
+class RMSBlock(torch.nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.register_buffer("w", torch.ones(d, device="cuda"))
+
+    def forward(self, x):
+        return mt.rms_norm(x + 1, self.w, 1e-6) * 2
+
+
+def test_torch_compile_fullgraph_keeps_rms_norm_in_one_graph():
+    y, targets = compile_in_one_graph(lambda: RMSBlock(4096), 2, 7, 4096)
+    assert y.shape == (2, 7, 4096)
+    assert torch.ops.mage_gen.rms_norm.default in targets and len(targets) == 3
+    with FakeTensorMode(), pytest.raises(LaunchError, match=r"weight must have shape \(4096,\)"):
+        torch.ops.mage_gen.rms_norm(fake(4, 4096), fake(4095), 1e-6)
 
 
 def test_the_fake_implementation_checks_what_the_real_one_does():
