@@ -26,6 +26,7 @@ from mage_gen.compile import DEFAULT_ARCH, check_arch
 from mage_gen.emit import check_out_dir, emit
 from mage_gen.errors import MageError, NoGpuError
 from mage_gen.ops import OPS, Op, get_op
+from mage_gen.ops.base import shape_dict
 from mage_gen.space import expand, load_space, preset_names
 from mage_gen.store import (Winner, check_can_save, entry_key, load_winners, pick_winner, save_entry, shape_entries,
                             tuned_shapes)
@@ -48,6 +49,10 @@ DOpt = typer.Option(None, "--d", help="row length (layernorm)")
 MOpt = typer.Option(None, "--m", help="rows of the output: matmul's M; layernorm's rows at launch (default 4096)")
 NOpt = typer.Option(None, "--n", help="matmul: columns of B and C")
 KOpt = typer.Option(None, "--k", help="matmul: columns of A, rows of B")
+DTypeOpt = typer.Option(None, "--dtype", help="layernorm, rmsnorm: element type of x, y and the residual: fp32 "
+                                              "(default), bf16 or fp16; statistics are always fp32")
+WeightDTypeOpt = typer.Option(None, "--weight-dtype", help="layernorm, rmsnorm: element type of w and b: the "
+                                                           "activations' (default) or fp32")
 ArchOpt = typer.Option(DEFAULT_ARCH, "--arch", help="GPU architecture to compile for, e.g. sm_90, sm_80")
 JsonOpt = typer.Option(False, "--json", help="print machine-readable JSON instead of a table")
 
@@ -75,19 +80,45 @@ def _parse_sizes(op: Op, text: str) -> list[int] | str:
     return list(dict.fromkeys(int(part) for part in parts))
 
 
-def _problem(op: Op, **given: Optional[int]) -> tuple[Any, dict[str, int]]:
-    """The op's generation-time shape and launch-time sizes from the size options given."""
+def _problem(op: Op, config: dict[str, Any] | None = None, **given: Any) -> tuple[Any, dict[str, int]]:
+    """The op's generation-time shape and launch-time sizes from the size options given, and the shape's
+    other fields (dtype, weight_dtype, residual) from the options or from --config."""
+    options = getattr(op, "shape_options", ())
     dims = {name: given.get(name) for name in op.shape_dims}
     missing = [name for name, value in dims.items() if value is None]
     if missing:
         raise MageError(f"{op.name} needs {', '.join('--' + m for m in missing)}")
-    stray = [name for name, value in given.items() if value is not None and name not in (*op.shape_dims, *op.run_dims)]
+    stray = [name for name, value in given.items()
+             if value is not None and name not in (*op.shape_dims, *op.run_dims, *options)]
     if stray:
-        raise MageError(f"{op.name} takes no {', '.join('--' + s for s in stray)}")
+        raise MageError(f"{op.name} takes no {', '.join('--' + s.replace('_', '-') for s in stray)}")
+    for name, value in (config or {}).items():
+        if name in options and given.get(name) is not None and given[name] != value:
+            raise MageError(f"config: --{name.replace('_', '-')} {given[name]} and --config {name}={value} disagree; "
+                            "give it once")
+    dims.update({name: given[name] for name in options if given.get(name) is not None})
+    dims.update({name: value for name, value in (config or {}).items() if name in options})
     shape = op.shape(**dims)
     run = {name: given[name] if given.get(name) is not None else op.run_defaults[name] for name in op.run_dims}
     op.check_run(run)
     return shape, run
+
+
+def _split_config(op: Op, items: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """--config as (the shape's fields it names, e.g. residual=true; the params)."""
+    values = _parse_config(items)
+    options = getattr(op, "shape_options", ())
+    return ({k: v for k, v in values.items() if k in options}, {k: v for k, v in values.items() if k not in options})
+
+
+def _shape_only_config(op: Op, items: list[str]) -> dict[str, Any]:
+    """--config of a command that searches the params: only the shape's fields (residual=true) may be set."""
+    shape_values, params = _split_config(op, items)
+    if params:
+        options = getattr(op, "shape_options", ())
+        raise MageError(f"config: here --config sets only {', '.join(options) or 'nothing'} for {op.name}, not "
+                        f"{', '.join(sorted(params))}: the search space gives the parameters (--preset)")
+    return shape_values
 
 
 def _parse_config(items: list[str]) -> dict[str, Any]:
@@ -122,7 +153,7 @@ def _launch_dict(op: Op, shape: Any, params: Any, run: dict[str, int]) -> dict[s
 
 def _variant_dict(op: Op, shape: Any, variant: Variant, run: dict[str, int]) -> dict[str, Any]:
     return {
-        "op": op.name, "shape": vars(shape), "params": op.params_to_dict(variant.params),
+        "op": op.name, "shape": shape_dict(shape), "params": op.params_to_dict(variant.params),
         "kernel": variant.source.kernel_name, "arch": variant.compiled.arch,
         "template": variant.source.template, "template_hash": variant.source.template_hash,
         "source_hash": variant.source.source_hash,
@@ -131,11 +162,11 @@ def _variant_dict(op: Op, shape: Any, variant: Variant, run: dict[str, int]) -> 
     }
 
 
-def _loads_summary(op: Op, c: Census) -> str:
+def _loads_summary(op: Op, shape: Any, c: Census) -> str:
     """Global loads of the op's first input that has any (layer norm's rows x, not a weight vector),
     e.g. 'x 2×v4'."""
     loaded = {tag.split(".")[0] for tag in c.global_loads}
-    tensor = next((a.name for a in op.args if a.kind == "in" and a.name in loaded), None)
+    tensor = next((a.name for a in op.args(shape) if a.kind == "in" and a.name in loaded), None)
     return f"{tensor} {_widths(c.global_loads, tensor)}" if tensor else "–"
 
 
@@ -163,15 +194,17 @@ def inspect(
     template: Optional[str] = typer.Option(None, help="template (layernorm: row, multirow, wide)"),
     threads: Optional[int] = typer.Option(None, help="threads per row"),
     vector: Optional[int] = typer.Option(None, help="floats per global access: 1, 2 or 4"),
-    config: list[str] = typer.Option([], help="other parameters as KEY=VALUE[,KEY=VALUE]"),
+    config: list[str] = typer.Option([], help="other parameters as KEY=VALUE[,KEY=VALUE] (residual=true: the "
+                                              "fused residual form of a norm)"),
+    dtype: Optional[str] = DTypeOpt, weight_dtype: Optional[str] = WeightDTypeOpt,
     arch: str = ArchOpt, as_json: bool = JsonOpt,
     show_source: bool = typer.Option(False, "--source", help="also print the generated CUDA source"),
 ) -> None:
     """Render, compile and count one variant: registers, shared memory, loads, stores, barriers."""
     op = get_op(op_name)
-    shape, run = _problem(op, d=d, m=m, n=n, k=k)
+    shape_config, values = _split_config(op, config)
+    shape, run = _problem(op, shape_config, d=d, m=m, n=n, k=k, dtype=dtype, weight_dtype=weight_dtype)
     check_op_arch(op, arch)
-    values = _parse_config(config)
     flags = {k: v for k, v in dict(template=template, threads=threads, vector=vector).items() if v is not None}
     both = sorted(key for key in flags if key in values and values[key] != flags[key])
     if both:
@@ -208,6 +241,8 @@ def inspect(
         ("wait_group (N: n)", ", ".join(f"{w}: {n}" for w, n in c.wait_groups.items()) or "–"),
         ("rsqrt.approx", str(c.rsqrt_approx)),
     ]
+    if c.half_widen or c.half_narrow:
+        rows.append(("16-bit cvt (widen / narrow)", f"{c.half_widen} / {c.half_narrow}"))
     for key, value in rows:
         table.add_row(key, value)
     out.print(table)
@@ -218,36 +253,39 @@ def variants(
     op_name: str = OpArg, d: Optional[int] = DOpt, m: Optional[int] = MOpt, n: Optional[int] = NOpt,
     k: Optional[int] = KOpt,
     preset: Optional[str] = typer.Option(None, help=f"search-space preset of search/<op>.toml ({_PRESETS})"),
+    dtype: Optional[str] = DTypeOpt, weight_dtype: Optional[str] = WeightDTypeOpt,
+    config: list[str] = typer.Option([], help="the shape's other fields, e.g. residual=true"),
     arch: str = ArchOpt, as_json: bool = JsonOpt,
 ) -> None:
     """Compile every valid variant of a preset and list each with its census."""
     op = get_op(op_name)
-    shape, run = _problem(op, d=d, m=m, n=n, k=k)
+    shape, run = _problem(op, _shape_only_config(op, config), d=d, m=m, n=n, k=k, dtype=dtype,
+                          weight_dtype=weight_dtype)
     check_op_arch(op, arch)
     space = load_space(op, preset, shape)
     valid, rejected = expand(op, shape, space)
     if not valid:
-        raise MageError(f"space: no config of preset {space.preset} is valid for {op.name} {vars(shape)}; first "
+        raise MageError(f"space: no config of preset {space.preset} is valid for {op.name} {shape_dict(shape)}; first "
                         f"rejection: {rejected[0][1] if rejected else 'none'}; try a wider --preset ({_PRESETS})")
     started = time.monotonic()
-    with _compiling(len(valid), f"{op.name} {vars(shape)} preset {space.preset} for {arch}") as advance:
+    with _compiling(len(valid), f"{op.name} {shape_dict(shape)} preset {space.preset} for {arch}") as advance:
         built = build_all(op, shape, valid, arch, progress=advance)
     cached = sum(v.compiled.from_cache for v in built)
     err.print(f"{len(built)} variants in {time.monotonic() - started:.0f} s: {len(built) - cached} compiled, {cached} "
               "read from the compile cache", markup=False, highlight=False, soft_wrap=True)
     if as_json:
-        print(json.dumps({"op": op.name, "shape": vars(shape), "preset": space.preset, "arch": arch,
+        print(json.dumps({"op": op.name, "shape": shape_dict(shape), "preset": space.preset, "arch": arch,
                           "rejected": len(rejected),
                           "variants": [_variant_dict(op, shape, v, run) for v in built]}, indent=2))
         return
-    table = Table(title=f"{op.name} {vars(shape)}: {len(built)} valid variants of preset {space.preset} "
+    table = Table(title=f"{op.name} {shape_dict(shape)}: {len(built)} valid variants of preset {space.preset} "
                         f"({len(rejected)} combinations rejected), {arch}")
     for column in ("params", "regs", "smem B", "spill B", "global loads", "cp.async", "passes", "bar.sync", "shfl"):
         table.add_column(column, justify="left" if column == "params" else "right")
     for v in built:
         c = v.census
         smem = c.shared_bytes + op.geometry(shape, v.params, run).dynamic_shared_bytes
-        table.add_row(v.params.label(), str(c.registers), str(smem), str(c.spill_bytes), _loads_summary(op, c),
+        table.add_row(v.params.label(), str(c.registers), str(smem), str(c.spill_bytes), _loads_summary(op, shape, c),
                       _cp_async_summary(c), _passes_summary(c), str(c.bar_sync), str(c.shfl_sync))
     out.print(table)
 
@@ -298,14 +336,16 @@ def emit_command(
     gpu: Optional[str] = typer.Option(None, "--gpu", envvar="MAGE_GEN_GPU",
                                       help="the GPU whose tuned/ winner to emit (default: this machine's)"),
     force: bool = typer.Option(False, "--force", help="replace files in --out that hold another kernel"),
+    dtype: Optional[str] = DTypeOpt, weight_dtype: Optional[str] = WeightDTypeOpt,
 ) -> None:
     """Write a kernel as standalone .cu, .ptx, .cubin, .launch.json and .h: the tuned winner of each size
     class (of the one that serves --m, where given), or --config."""
     op = get_op(op_name)
-    shape, run = _problem(op, d=d, m=m, n=n, k=k)
+    shape_config, values = _split_config(op, config)
+    shape, run = _problem(op, shape_config, d=d, m=m, n=n, k=k, dtype=dtype, weight_dtype=weight_dtype)
     check_op_arch(op, arch)
-    if config:
-        paths = emit(op, shape, op.params_from_user({**op.defaults(shape), **_parse_config(config)}), arch, out_dir,
+    if values:
+        paths = emit(op, shape, op.params_from_user({**op.defaults(shape), **values}), arch, out_dir,
                      None, replace=force)
     else:
         paths = _emit_tuned(op, shape, gpu or _this_gpu(), arch, out_dir, run if m is not None else None, force)
@@ -350,13 +390,13 @@ def _emit_untuned(op: Op, shape: Any, gpu_name: str, arch: str, out_dir: Path, r
     nearest = dispatch.nearest_shape(op, shape, tuned_shapes(op, gpu_name))
     if nearest is not None:
         other, params = nearest
-        err.print(f"mage-gen: no tuned {op.name} entry for {vars(shape)} on {gpu_name}; emitting the params of "
-                  f"the nearest tuned shape {vars(other)} (untimed at this shape; tune it for a measured winner)",
+        err.print(f"mage-gen: no tuned {op.name} entry for {shape_dict(shape)} on {gpu_name}; emitting the params of "
+                  f"the nearest tuned shape {shape_dict(other)} (untimed at this shape; tune it for a measured winner)",
                   markup=False, highlight=False, soft_wrap=True)
     else:
         params = op.params_from_dict(op.defaults(shape))
         op.validate(shape, params)
-        err.print(f"mage-gen: no tuned {op.name} entry near {vars(shape)} on {gpu_name}; emitting the default "
+        err.print(f"mage-gen: no tuned {op.name} entry near {shape_dict(shape)} on {gpu_name}; emitting the default "
                   "config (untimed; tune it for a measured winner)", markup=False, highlight=False, soft_wrap=True)
     return emit(op, shape, params, arch, out_dir, None, replace=replace)
 
@@ -418,6 +458,8 @@ def tune_command(
     seed: int = typer.Option(0, help="seed of the sampler and the random inputs"),
     replay: Optional[Path] = typer.Option(None, help="answer from a recording of bench/layernorm_trials.py "
                                                       "instead of the GPU (for testing)"),
+    dtype: Optional[str] = DTypeOpt, weight_dtype: Optional[str] = WeightDTypeOpt,
+    config: list[str] = typer.Option([], help="the shape's other fields, e.g. residual=true"),
 ) -> None:
     """Search the space on this GPU, one study per size class: gate every variant, time the ones that pass,
     store each winner in tuned/ and emit them."""
@@ -425,7 +467,9 @@ def tune_command(
 
     op = get_op(op_name)
     sizes = _parse_sizes(op, m) if m is not None else None
-    shape, default_run = _problem(op, d=d, m=sizes[0] if sizes and "m" in op.shape_dims else None, n=n, k=k)
+    shape, default_run = _problem(op, _shape_only_config(op, config), d=d,
+                                  m=sizes[0] if sizes and "m" in op.shape_dims else None, n=n, k=k, dtype=dtype,
+                                  weight_dtype=weight_dtype)
     if objective not in ("hot", "cold"):
         raise MageError(f"objective: use hot or cold, got {objective!r}")
     if study and isinstance(sizes, list) and len(sizes) > 1:
@@ -437,7 +481,7 @@ def tune_command(
         device = replayed.device if replayed else _gpu_facts()
     except NoGpuError as exc:
         target = check_op_arch(op, arch or DEFAULT_ARCH)
-        with _compiling(len(valid), f"{op.name} {vars(shape)} preset {space.preset} for {target}") as advance:
+        with _compiling(len(valid), f"{op.name} {shape_dict(shape)} preset {space.preset} for {target}") as advance:
             build_all(op, shape, valid, target, progress=advance)
         raise NoGpuError(f"compiled and counted {len(valid)} valid variants ({len(rejected)} rejected) for "
                          f"{target}; {exc}") from None
@@ -460,7 +504,7 @@ def tune_command(
     check_out_dir(out_dir)
     for run in runs:
         if len(runs) > 1:
-            err.print(f"tuning {op.name} {vars(shape)} at {run} ({dispatch.regime(op, shape, run, int(device['l2_bytes']))}"
+            err.print(f"tuning {op.name} {shape_dict(shape)} at {run} ({dispatch.regime(op, shape, run, int(device['l2_bytes']))}"
                       " size class)", markup=False, highlight=False)
         _tune_size_class(op, shape, run, space, replayed, seed, objective=objective, trials=trials,
                          storage=storage, study=study)
@@ -488,8 +532,10 @@ def _tune_size_class(op: Op, shape: Any, run: dict[str, int], space: Any, replay
                   console=err, transient=True, disable=not err.is_terminal) as progress:
         trial_task = progress.add_task("compiling", total=None)
         stages = {"compiling": "compiling", "trials": "measuring", "final": "re-timing finalists"}
+        began = {"compiling": time.monotonic()}  # when each stage was first reported
 
         def report(stage: str, done: int, total: int) -> None:
+            began.setdefault(stage, time.monotonic())
             progress.update(trial_task, description=stages[stage], completed=done, total=total)
 
         try:
@@ -502,6 +548,9 @@ def _tune_size_class(op: Op, shape: Any, run: dict[str, int], space: Any, replay
     entry["size_class"] = dispatch.record(op, shape, run, int(backend.device["l2_bytes"]))
     stored = save_entry(op.name, backend.device["name"], entry_key(op, shape, run), entry)
     _print_result(op, result, search["objective"])
+    marks = [*began.items(), ("end", time.monotonic())]
+    out.print("phases: " + ", ".join(f"{stages[stage]} {later - at:.1f} s"
+                                     for (stage, at), (_, later) in zip(marks, marks[1:])))
     out.print(f"stored {stored}")
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from mage_gen.errors import ConfigError
 from mage_gen.ops import Op
+from mage_gen.ops.base import shape_dict
 
 RULE = ("the entries on the launch's side of the L2 size first (the bytes a launch must move at most the "
         "GPU's L2: L2-resident; more: DRAM-bound), of those the one tuned at the nearest run size on a log "
@@ -45,6 +46,14 @@ def record(op: Op, shape: Any, run: dict[str, int], l2_bytes: int) -> dict[str, 
 
 def _distance(a: dict[str, int], b: dict[str, int]) -> float:
     return sum(abs(math.log(a[k] / b[k])) for k in a)
+
+
+def _sizes(dims: dict[str, Any]) -> dict[str, int]:
+    return {k: v for k, v in dims.items() if isinstance(v, int) and not isinstance(v, bool)}
+
+
+def _kinds(dims: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in dims.items() if k not in _sizes(dims)}
 
 
 def choose(op: Op, shape: Any, run: dict[str, int], classes: Sequence[SizeClass], l2_bytes: int) -> SizeClass:
@@ -83,7 +92,10 @@ def nearest_shape(op: Op, shape: Any, tuned: dict[Any, Any]) -> tuple[Any, Any] 
             op.validate(shape, params)
         except ConfigError:
             continue
-        usable.append((_distance(vars(shape), vars(other)), sorted(vars(other).items()), other, params))
+        mine, theirs = shape_dict(shape), shape_dict(other)
+        if _kinds(mine) != _kinds(theirs):  # another dtype or form is another function, not a nearby size
+            continue
+        usable.append((_distance(_sizes(mine), _sizes(theirs)), sorted(theirs.items()), other, params))
     if not usable:
         return None
     _, _, other, params = min(usable, key=lambda u: (u[0], u[1]))

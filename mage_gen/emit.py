@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import mage_gen
+from mage_gen.dtypes import dtype as element_type
 from mage_gen.compile import nvrtc_version
 from mage_gen.errors import ConfigError, MageError
 from mage_gen.ops import Arg, Op
@@ -23,7 +24,7 @@ from mage_gen.timing import Timing
 from mage_gen.variants import Variant, build
 
 LAUNCH_FORMAT = 2
-_C_TYPES = {"out": "float*", "in": "const float*", "i32": "int", "f32": "float"}
+_C_TYPES = {"i32": "int", "f32": "float"}
 DEFAULT_SHARED_LIMIT = 48 * 1024  # dynamic shared memory a function may use before it opts in to more
 _C_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -88,6 +89,9 @@ def check_out_dir(out_dir: Path) -> None:
 
 
 def _c_type(arg: Arg) -> str:
+    """A 16-bit tensor is passed as unsigned short*: the generated kernel reads and writes its bits."""
+    if arg.kind in ("in", "out"):
+        return ("const " if arg.kind == "in" else "") + element_type(arg.dtype).c_type + "*"
     return _C_TYPES[arg.kind]
 
 
@@ -102,7 +106,7 @@ def _launch_doc(op: Op, shape: Any, variant: Variant, provenance: dict[str, Any]
         "arch": variant.compiled.arch,
         "launch": launch,
         "dynamic_shared_memory": _dynamic_shared(launch["dynamic_shared_bytes"]),
-        "args": [{"name": a.name, "type": _c_type(a)} for a in op.args],
+        "args": [{"name": a.name, "type": _c_type(a)} for a in op.args(shape)],
         "contract": contract,
         "size_classes": size_classes,
         "params": op.params_to_dict(variant.params),
@@ -134,7 +138,7 @@ def _c_header(op: Op, shape: Any, variant: Variant, stem: str, provenance: list[
     shared = launch["dynamic_shared_bytes"]
     return environment().get_template("emit/launch.h.j2").render(
         stem=stem, kernel=variant.source.kernel_name, arch=variant.compiled.arch, provenance=provenance,
-        contract=contract, args=[(a.name, _c_type(a)) for a in op.args], grid=grid, block=launch["block"],
+        contract=contract, args=[(a.name, _c_type(a)) for a in op.args(shape)], grid=grid, block=launch["block"],
         shared_bytes=shared, opt_in=shared > DEFAULT_SHARED_LIMIT, uses_min=any(f"{stem}_min(" in g for g in grid))
 
 
@@ -154,7 +158,7 @@ def _header(op: Op, shape: Any, variant: Variant, provenance: dict[str, Any] | N
         ("NVRTC", nvrtc_version()),
         ("launch", f"grid ({', '.join(map(str, launch['grid']))}), block ({', '.join(map(str, launch['block']))}), "
                    f"{launch['dynamic_shared_bytes']} B dynamic shared memory"),
-        ("args", ", ".join(f"{_c_type(a)} {a.name}" for a in op.args)),
+        ("args", ", ".join(f"{_c_type(a)} {a.name}" for a in op.args(shape))),
     ]
     rows += _timing_rows(provenance) if provenance else [("timings", "none: not from a tuned/ entry")]
     width = max(len(key) for key, _ in rows)

@@ -75,6 +75,10 @@ class Buffer:
         count = (self.nbytes - offset_bytes) // 4 if count is None else count
         _check(cu.cuMemsetD32Async(self.ptr + offset_bytes, bits, count, stream), "cuMemsetD32Async")
 
+    def fill16(self, bits: int, stream: Any = 0, offset_bytes: int = 0, count: int | None = None) -> None:
+        count = (self.nbytes - offset_bytes) // 2 if count is None else count
+        _check(cu.cuMemsetD16Async(self.ptr + offset_bytes, bits, count, stream), "cuMemsetD16Async")
+
     def free(self) -> None:
         if self.ptr:
             _check(cu.cuMemFree(self.ptr), "cuMemFree")

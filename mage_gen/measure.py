@@ -21,13 +21,15 @@ import numpy as np
 
 from mage_gen import gpu
 from mage_gen.compile import compile_source
+from mage_gen.dtypes import DType, of_storage
 from mage_gen.errors import GpuError
 from mage_gen.ops import Op
 from mage_gen.render import render
 from mage_gen.timing import Timing
 
-GUARD_FLOATS = 1024  # fenced on each side of every output
-GUARD_BITS = 0x7FBADBAD  # a NaN with a payload no kernel computes, so any write to the fence shows
+GUARD_BYTES = 4096  # fenced on each side of every output
+# per element size, a NaN with a payload no kernel computes, so any write to the fence shows
+GUARD_BITS = {4: 0x7FBADBAD, 2: 0x7FBD}
 FLUSH_BYTES = 256 << 20  # over 4× the H200's 60 MB L2
 HOT_LAUNCHES_PER_GRAPH = 20
 
@@ -46,9 +48,14 @@ class GateResult:
 
 
 def relative_error(out: np.ndarray, ref: np.ndarray) -> float:
+    """‖out − ref‖ / ‖ref‖, out in any element type's storage (dtypes: uint16 holds bf16)."""
     denom = float(np.linalg.norm(ref))
-    diff = float(np.linalg.norm(out.astype(np.float64) - ref))
+    diff = float(np.linalg.norm(widen(out).astype(np.float64) - ref))
     return diff / denom if denom else diff
+
+
+def widen(out: np.ndarray) -> np.ndarray:
+    return of_storage(out.dtype).widen(out)
 
 
 class Bound:
@@ -62,6 +69,7 @@ class Bound:
         self.launch_geometry = op.geometry(shape, params, run)
         self.inputs = inputs
         self.output_shapes = op.output_shapes(shape, run)
+        self.output_dtypes: dict[str, DType] = op.output_dtypes(shape)
         self.buffers: dict[str, gpu.Buffer] = {}
         try:
             for name, array in inputs.items():
@@ -71,12 +79,13 @@ class Bound:
                 else:
                     self.buffers[name].copy_from(on_device[name])
             for name, out_shape in self.output_shapes.items():
-                self.buffers[name] = gpu.Buffer((int(np.prod(out_shape)) + 2 * GUARD_FLOATS) * 4)
+                body = int(np.prod(out_shape)) * self.output_dtypes[name].itemsize
+                self.buffers[name] = gpu.Buffer(body + 2 * GUARD_BYTES)
             scalars = op.scalars(shape, run)
             values: list[tuple[str, int | float]] = []
-            for arg in op.args:
+            for arg in op.args(shape):
                 if arg.kind == "out":
-                    values.append(("ptr", self.buffers[arg.name].ptr + GUARD_FLOATS * 4))
+                    values.append(("ptr", self.buffers[arg.name].ptr + GUARD_BYTES))
                 elif arg.kind == "in":
                     values.append(("ptr", self.buffers[arg.name].ptr))
                 else:
@@ -88,35 +97,43 @@ class Bound:
 
     def poison(self, stream: gpu.Stream) -> None:
         for name in self.output_shapes:
-            buf = self.buffers[name]
-            buf.fill32(GUARD_BITS, stream.handle)
-            buf.fill32(gpu.NAN_BITS, stream.handle, offset_bytes=GUARD_FLOATS * 4,
-                       count=buf.nbytes // 4 - 2 * GUARD_FLOATS)
+            buf, size = self.buffers[name], self.output_dtypes[name].itemsize
+            fill = buf.fill32 if size == 4 else buf.fill16
+            fill(GUARD_BITS[size], stream.handle)
+            fill(self.output_dtypes[name].nan_bits & (0xFFFFFFFF if size == 4 else 0xFFFF), stream.handle,
+                 offset_bytes=GUARD_BYTES, count=(buf.nbytes - 2 * GUARD_BYTES) // size)
 
     def enqueue(self, stream_handle: Any) -> None:
         g = self.launch_geometry
         self.kernel.launch(g.grid, g.block, g.dynamic_shared_bytes, self.args, stream_handle)
 
+    def _bits(self, name: str) -> tuple[type, int]:
+        size = self.output_dtypes[name].itemsize
+        return (np.uint32 if size == 4 else np.uint16), GUARD_BYTES // size
+
     def fence_complaints(self) -> list[str]:
         """A complaint for every output whose fence was written; reads the fences alone."""
         complaints = []
         for name in self.output_shapes:
-            buf = self.buffers[name]
-            fence = np.concatenate([buf.download_range(0, GUARD_FLOATS, np.uint32),
-                                    buf.download_range(buf.nbytes - GUARD_FLOATS * 4, GUARD_FLOATS, np.uint32)])
-            if (changed := int(np.count_nonzero(fence != GUARD_BITS))):
-                complaints.append(f"wrote {changed} floats outside {name}")
+            buf, (bits, guard) = self.buffers[name], self._bits(name)
+            fence = np.concatenate([buf.download_range(0, guard, bits),
+                                    buf.download_range(buf.nbytes - GUARD_BYTES, guard, bits)])
+            if (changed := int(np.count_nonzero(fence != GUARD_BITS[np.dtype(bits).itemsize]))):
+                complaints.append(f"wrote {changed} elements outside {name}")
         return complaints
 
     def outputs(self) -> tuple[dict[str, np.ndarray], list[str]]:
-        """The outputs, and a complaint for every output whose fence was written."""
+        """The outputs (in their element type's storage), and a complaint for every output whose fence was
+        written."""
         results, complaints = {}, []
         for name, out_shape in self.output_shapes.items():
-            raw = self.buffers[name].download(np.uint32)
-            fence = np.concatenate([raw[:GUARD_FLOATS], raw[-GUARD_FLOATS:]])
-            if (changed := int(np.count_nonzero(fence != GUARD_BITS))):
-                complaints.append(f"wrote {changed} floats outside {name}")
-            results[name] = raw[GUARD_FLOATS:-GUARD_FLOATS].view(np.float32).reshape(out_shape)
+            bits, guard = self._bits(name)
+            raw = self.buffers[name].download(bits)
+            fence = np.concatenate([raw[:guard], raw[-guard:]])
+            if (changed := int(np.count_nonzero(fence != GUARD_BITS[np.dtype(bits).itemsize]))):
+                complaints.append(f"wrote {changed} elements outside {name}")
+            storage = self.output_dtypes[name].storage
+            results[name] = raw[guard:-guard].view(storage).reshape(out_shape)
         return results, complaints
 
     def free(self) -> None:
@@ -139,13 +156,14 @@ def compare_outputs(op: Op, outputs: dict[str, np.ndarray], reference: dict[str,
     worst = 0.0
     for name, ref in reference.items():
         out = outputs[name]
-        if (nans := np.argwhere(np.isnan(out))).size:
+        if (nans := np.argwhere(np.isnan(widen(out)))).size:
             return float("inf"), (f"{name} has {len(nans)} NaN (first at {tuple(int(i) for i in nans[0])}): "
                                   "unwritten or computed NaN")
         err = relative_error(out, ref)
         worst = max(worst, err)
-        if not err <= op.tolerance:
-            return err, f"{name} relative error {err:.3g} > tolerance {op.tolerance:g}"
+        tolerance = op.tolerance_of(name, of_storage(out.dtype))
+        if not err <= tolerance:
+            return err, f"{name} relative error {err:.3g} > tolerance {tolerance:g}"
     return worst, ""
 
 
@@ -182,7 +200,9 @@ class DeviceReference:
 
     _BLOCK = 256
 
-    def __init__(self, reference: dict[str, np.ndarray]):
+    def __init__(self, reference: dict[str, np.ndarray], dtypes: dict[str, DType]):
+        """dtypes: each output's element type, as the kernel writes it."""
+        self.dtypes = dtypes
         self.sizes = {name: int(ref.size) for name, ref in reference.items()}
         self.buffers: dict[str, gpu.Buffer] = {}
         self._sums, self._bad = gpu.Buffer(16), gpu.Buffer(8)
@@ -196,18 +216,19 @@ class DeviceReference:
         complaints = bound.fence_complaints()
         if complaints:
             return float("inf"), "; ".join(complaints)
-        return self.compare_at(op, {name: bound.buffers[name].ptr + GUARD_FLOATS * 4 for name in self.buffers},
+        return self.compare_at(op, {name: bound.buffers[name].ptr + GUARD_BYTES for name in self.buffers},
                                stream)
 
     def compare_at(self, op: Op, outputs: dict[str, int], stream: gpu.Stream) -> tuple[float, str]:
         """The same verdict on outputs at the given device addresses (a peer's tensors), written and synced."""
         worst = 0.0
-        kernel = _comparator()
         blocks = max(1, min(-(-max(self.sizes.values()) // self._BLOCK), 8 * gpu.open_device().sms))
-        for name, ref in self.buffers.items():
+        for name, address in outputs.items():
+            ref = self.buffers[name]
+            kernel = _comparator(self.dtypes[name].ptx)
             self._sums.fill32(0, stream.handle)
             self._bad.fill32(0, stream.handle)
-            args = gpu.KernelArgs([("ptr", outputs[name]), ("ptr", ref.ptr),
+            args = gpu.KernelArgs([("ptr", address), ("ptr", ref.ptr),
                                    ("i64", self.sizes[name]), ("ptr", self._sums.ptr), ("ptr", self._bad.ptr)])
             kernel.launch((blocks, 1, 1), (self._BLOCK, 1, 1), 0, args, stream.handle)
             stream.synchronize()
@@ -217,8 +238,9 @@ class DeviceReference:
                 return float("inf"), f"{name} has {bad} NaN or infinite values: unwritten or computed NaN"
             err = float(np.sqrt(diff2 / ref2)) if ref2 else float(np.sqrt(diff2))
             worst = max(worst, err)
-            if not err <= op.tolerance:
-                return err, f"{name} relative error {err:.3g} > tolerance {op.tolerance:g}"
+            tolerance = op.tolerance_of(name, self.dtypes[name])
+            if not err <= tolerance:
+                return err, f"{name} relative error {err:.3g} > tolerance {tolerance:g}"
         return worst, ""
 
     def free(self) -> None:
@@ -227,8 +249,8 @@ class DeviceReference:
 
 
 @cache
-def _comparator() -> gpu.Kernel:
-    source = render("measure/compare.cu.j2", {}, "mage_gen_compare", None)
+def _comparator(element: str) -> gpu.Kernel:
+    source = render("measure/compare.cu.j2", {"DTYPE": element}, f"mage_gen_compare_{element}", None)
     return gpu.Kernel(compile_source(source, gpu.open_device().arch).cubin, source.kernel_name)
 
 
@@ -339,7 +361,8 @@ class Bench:
         if self._timing_reference is None:
             inputs = self.timing_inputs()
             self._timing_reference = DeviceReference(
-                self.op.reference(self.shape, inputs, self.op.scalars(self.shape, self.run)))
+                self.op.reference(self.shape, inputs, self.op.scalars(self.shape, self.run)),
+                self.op.output_dtypes(self.shape))
         return self._timing_reference
 
     def subject(self, variant: Any, kernel: gpu.Kernel, name: str | None = None) -> KernelSubject:
@@ -354,7 +377,11 @@ class Bench:
         return KernelSubject(name or variant.source.kernel_name, bound, self.stream)
 
     def check_tensor(self, name: str, tensor: Any) -> tuple[float, str]:
-        """A peer's output (a contiguous float32 CUDA tensor of the timed size) against the timing reference."""
+        """A peer's output (a contiguous CUDA tensor of the timed size, of the output's dtype) against the timing
+        reference."""
+        expected = self.op.output_dtypes(self.shape)[name].name
+        if str(tensor.dtype).removeprefix("torch.") != expected:
+            return float("inf"), f"{name} is {tensor.dtype}, not {expected}"
         return self.timing_reference().compare_at(self.op, {name: tensor.data_ptr()}, self.stream)
 
     def checked_subject(self, variant: Any, kernel: gpu.Kernel, name: str | None = None

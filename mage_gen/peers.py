@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from mage_gen.dtypes import DType
+from mage_gen.dtypes import dtype as element_type
 from mage_gen.measure import FLUSH_BYTES, HOT_LAUNCHES_PER_GRAPH, compare_outputs, interleave
 from mage_gen.ops import Op
 
@@ -38,29 +40,38 @@ TRITON_GROUP_M = 8  # tile rows per group: programs that run together share A an
 if triton is not None:
 
     @triton.jit
-    def _triton_layernorm(X, Y, W, B, N, eps, BLOCK: tl.constexpr):
-        # One program per row, the whole row in one block: the usual Triton layer norm.
-        row = tl.program_id(0)
+    def _triton_row(X, R, R_OUT, row, N, BLOCK: tl.constexpr, RESIDUAL: tl.constexpr):
+        # A program's row as fp32, whatever the element type: x, or x + residual rounded to the activation type
+        # and written to R_OUT first, as torch computes `x + residual`.
         cols = tl.arange(0, BLOCK)
         mask = cols < N
         x = tl.load(X + row * N + cols, mask=mask, other=0.0)
+        if RESIDUAL:
+            h = (x.to(tl.float32) + tl.load(R + row * N + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+            tl.store(R_OUT + row * N + cols, h, mask=mask)
+            x = h
+        return x.to(tl.float32), cols, mask
+
+    @triton.jit
+    def _triton_layernorm(X, Y, W, B, N, eps, R, R_OUT, BLOCK: tl.constexpr, RESIDUAL: tl.constexpr):
+        # One program per row, the whole row in one block: the usual Triton layer norm, fp32 statistics.
+        row = tl.program_id(0)
+        x, cols, mask = _triton_row(X, R, R_OUT, row, N, BLOCK, RESIDUAL)
         mean = tl.sum(x, axis=0) / N
         diff = tl.where(mask, x - mean, 0.0)
         rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=0) / N + eps)
-        w = tl.load(W + cols, mask=mask)
-        b = tl.load(B + cols, mask=mask)
-        tl.store(Y + row * N + cols, diff * rstd * w + b, mask=mask)
+        w = tl.load(W + cols, mask=mask).to(tl.float32)
+        b = tl.load(B + cols, mask=mask).to(tl.float32)
+        tl.store(Y + row * N + cols, (diff * rstd * w + b).to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _triton_rmsnorm(X, Y, W, N, eps, BLOCK: tl.constexpr):
+    def _triton_rmsnorm(X, Y, W, N, eps, R, R_OUT, BLOCK: tl.constexpr, RESIDUAL: tl.constexpr):
         # One program per row, as the layer norm: the mean of squares, no mean subtracted, no bias.
         row = tl.program_id(0)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < N
-        x = tl.load(X + row * N + cols, mask=mask, other=0.0)
+        x, cols, mask = _triton_row(X, R, R_OUT, row, N, BLOCK, RESIDUAL)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
-        w = tl.load(W + cols, mask=mask)
-        tl.store(Y + row * N + cols, x * rstd * w, mask=mask)
+        w = tl.load(W + cols, mask=mask).to(tl.float32)
+        tl.store(Y + row * N + cols, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _triton_matmul(A, B, C, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -144,22 +155,53 @@ def _torch_flush_buffer():
     return _FLUSH[0]
 
 
-def _row_norm_candidates(torch_call: Callable[[], Any], torch_fn: str, triton_kernel: Any,
-                         tensors: list[Any], eps: float) -> dict[str, list[TorchSubject]]:
-    """torch's norm, and the Triton kernel (one program per row, called as kernel(x, y, *rest, d, eps)) at each
-    num_warps; tensors: x, then the rest of the kernel's inputs in order."""
-    x = tensors[0]
+def to_torch(array: np.ndarray, dtype: DType) -> Any:
+    """A host array in its element type's storage (dtypes: bf16 as uint16 bits) as a CUDA tensor of that type."""
+    if dtype.name == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(array).view(np.int16)).cuda().view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(array)).cuda()
+
+
+def _row_norm_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float, torch_fn: str,
+                         triton_kernel: Any, inductor: bool) -> dict[str, list[TorchSubject]]:
+    """torch's norm as a model calls it (`x + residual` first, in the residual form), the same code compiled
+    by Inductor, and the Triton kernel (one program per row) at each num_warps. Each returns y, or
+    (y, residual_out)."""
+    tensors = {name: to_torch(array, element_type(shape.weight_dtype if name in ("w", "b") else shape.dtype))
+               for name, array in inputs.items()}
+    x, residual = tensors["x"], tensors.get("residual")
     m, d = x.shape
-    candidates = {"torch": [TorchSubject("torch", torch_call, {"fn": torch_fn})]}
+    weights = [tensors[k] for k in ("w", "b") if k in tensors]
+    norm = getattr(torch.nn.functional, torch_fn.removeprefix("F."))
+
+    def eager(x, residual, *weights):
+        if residual is None:
+            return norm(x, (d,), *weights, eps)
+        h = x + residual
+        return norm(h, (d,), *weights, eps), h
+
+    candidates = {"torch": [TorchSubject("torch", lambda: eager(x, residual, *weights),
+                                         {"fn": torch_fn + (" of x + residual" if residual is not None else ""),
+                                          "weights": str(weights[0].dtype)})]}
+    if inductor:
+        # Dynamo keys its cache on the code object, shared by every shape: without a reset, the ninth shape in a
+        # process would hit its recompile limit
+        torch._dynamo.reset()
+        compiled = torch.compile(eager, dynamic=False, fullgraph=True)
+        candidates["inductor"] = [TorchSubject("inductor", lambda: compiled(x, residual, *weights),
+                                               {"fn": f"torch.compile of the eager {torch_fn}"})]
     if triton is not None:
         block = triton.next_power_of_2(d)
 
         def triton_run(warps: int) -> Callable[[], Any]:
             y = torch.full_like(x, float("nan"))  # one per candidate, NaN until written, as for matmul
+            out = torch.full_like(x, float("nan")) if residual is not None else None
 
             def go():
-                triton_kernel[(m,)](x, y, *tensors[1:], d, eps, BLOCK=block, num_warps=warps)
-                return y
+                triton_kernel[(m,)](x, y, *weights, d, eps, residual if out is not None else x,
+                                    out if out is not None else y, BLOCK=block, RESIDUAL=out is not None,
+                                    num_warps=warps)
+                return y if out is None else (y, out)
             return go
 
         candidates["triton"] = [TorchSubject(f"triton/w{warps}", triton_run(warps),
@@ -167,19 +209,20 @@ def _row_norm_candidates(torch_call: Callable[[], Any], torch_fn: str, triton_ke
     return candidates
 
 
-def _layernorm_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float) -> dict[str, list[TorchSubject]]:
-    x, w, b = (torch.from_numpy(inputs[k]).cuda() for k in ("x", "w", "b"))
-    return _row_norm_candidates(lambda: torch.nn.functional.layer_norm(x, (x.shape[1],), w, b, eps), "F.layer_norm",
-                                _triton_layernorm if triton is not None else None, [x, w, b], eps)
+def _layernorm_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float,
+                          inductor: bool) -> dict[str, list[TorchSubject]]:
+    return _row_norm_candidates(shape, inputs, eps, "F.layer_norm",
+                                _triton_layernorm if triton is not None else None, inductor)
 
 
-def _rmsnorm_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float) -> dict[str, list[TorchSubject]]:
-    x, w = (torch.from_numpy(inputs[k]).cuda() for k in ("x", "w"))
-    return _row_norm_candidates(lambda: torch.nn.functional.rms_norm(x, (x.shape[1],), w, eps), "F.rms_norm",
-                                _triton_rmsnorm if triton is not None else None, [x, w], eps)
+def _rmsnorm_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float,
+                        inductor: bool) -> dict[str, list[TorchSubject]]:
+    return _row_norm_candidates(shape, inputs, eps, "F.rms_norm",
+                                _triton_rmsnorm if triton is not None else None, inductor)
 
 
-def _matmul_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float) -> dict[str, list[TorchSubject]]:
+def _matmul_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float,
+                       inductor: bool) -> dict[str, list[TorchSubject]]:
     # mage-gen's matmul kernels do exact fp32 FMAs, so cuBLAS must too: TF32 (about 3e-4 relative error,
     # which the op's 1e-4 tolerance refuses) is off for every call made from here on.
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -222,11 +265,13 @@ _CANDIDATES = {"layernorm": _layernorm_candidates, "rmsnorm": _rmsnorm_candidate
 
 def make_peers(op: Op, shape: Any, run: dict[str, int], inputs: dict[str, np.ndarray],
                reference: dict[str, np.ndarray] | None, pick_replays: int = 10,
-               check: Callable[[str, Any], tuple[float, str]] | None = None) -> tuple[list[TorchSubject], dict[str, str]]:
-    """The op's peers, each gated on `inputs`; of a family with configs (Triton's num_warps) the fastest
-    hot. check(output name, tensor) -> (error, reason) judges on the GPU where the reference is held there
-    (measure.DeviceReference); otherwise `reference` is compared on the CPU. Returns (peers, {name: why it
-    is missing})."""
+               check: Callable[[str, Any], tuple[float, str]] | None = None,
+               inductor: bool = False) -> tuple[list[TorchSubject], dict[str, str]]:
+    """The op's peers, each gated on `inputs` (every output: a peer returns them in the op's order); of a
+    family with configs (Triton's num_warps) the fastest hot. check(output name, tensor) -> (error, reason)
+    judges on the GPU where the reference is held there (measure.DeviceReference); otherwise `reference` is
+    compared on the CPU. inductor: also torch.compile of the eager code (norms; compiling takes seconds per
+    shape). Returns (peers, {name: why it is missing})."""
     if torch is None or not torch.cuda.is_available():
         return [], {"torch": "torch with CUDA is not installed here (pip install 'mage-gen[peers]')"}
     if op.name not in _CANDIDATES:
@@ -234,16 +279,26 @@ def make_peers(op: Op, shape: Any, run: dict[str, int], inputs: dict[str, np.nda
     missing: dict[str, str] = {} if triton is not None else {"triton": "triton is not installed"}
     scalars = op.scalars(shape, run)
     chosen = []
-    for family, subjects in _CANDIDATES[op.name](shape, inputs, float(scalars.get("eps", 0.0))).items():
+    names = list(op.output_shapes(shape, run))
+    for family, subjects in _CANDIDATES[op.name](shape, inputs, float(scalars.get("eps", 0.0)), inductor).items():
         passing = []
         for subject in subjects:
-            out = subject.run()
-            torch.cuda.synchronize()
-            (name,) = op.output_shapes(shape, run)  # every op here has one output
-            if check is not None:
-                err, reason = check(name, out)
-            else:
-                err, reason = compare_outputs(op, {name: out.detach().cpu().numpy()}, {name: reference[name]})
+            try:
+                out = subject.run()
+                torch.cuda.synchronize()
+            except Exception as exc:  # noqa: BLE001  (Inductor failing to compile is a missing peer, not a crash)
+                missing[subject.name] = f"failed to run: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                continue
+            outs = dict(zip(names, out if isinstance(out, tuple) else (out,)))
+            err, reason = 0.0, ""
+            for name, tensor in outs.items():
+                if check is not None:
+                    e, why = check(name, tensor)
+                else:
+                    host = tensor.detach().cpu()
+                    host = host.view(torch.int16).numpy().view(np.uint16) if host.dtype == torch.bfloat16 else host.numpy()
+                    e, why = compare_outputs(op, {name: host}, {name: reference[name]})
+                err, reason = max(err, e), reason or why
             if not reason:
                 subject.config["gate_error"] = err
                 passing.append(subject)

@@ -23,6 +23,7 @@ from mage_gen import gpu
 from mage_gen.compile import compile_source
 from mage_gen.errors import ConfigError, LaunchError, StoreError
 from mage_gen.ops import Op, get_op
+from mage_gen.ops.base import shape_dict
 from mage_gen.resources import data_dir
 from mage_gen.store import load_winners, pick_winner, store_file, tuned_dir
 
@@ -43,15 +44,15 @@ class Prepared:
     def __init__(self, op: Op, shape: Any, params: Any, run: dict[str, int], kernel: gpu.Kernel):
         geometry = op.geometry(shape, params, run)
         self.op_name = op.name
-        self.arg_names = tuple(a.name for a in op.args)
-        pointers = [a.name for a in op.args if a.kind in ("in", "out")]
+        self.arg_names = tuple(a.name for a in op.args(shape))
+        pointers = [a.name for a in op.args(shape) if a.kind in ("in", "out")]
         if list(self.arg_names[:len(pointers)]) != pointers:
             raise ValueError(f"{op.name}: its tensor arguments must come before its scalars, got {self.arg_names}")
         self._alignments = {name: int(t["alignment_bytes"])
                             for name, t in op.contract(shape, params)["tensors"].items() if name in pointers}
         self._pointer_count = len(pointers)
         self._alignment_mask = max(self._alignments.values(), default=1) - 1  # alignments are powers of two
-        kinds = ["ptr" if a.kind in ("in", "out") else a.kind for a in op.args]
+        kinds = ["ptr" if a.kind in ("in", "out") else a.kind for a in op.args(shape)]
         self._launch = gpu.FixedLaunch(kernel, geometry.grid, geometry.block, geometry.dynamic_shared_bytes, kinds)
         self._lock = threading.Lock()  # the argument values are shared by every thread launching this kernel
 
@@ -81,16 +82,35 @@ def tuned_dirs() -> list[Path]:
 
 
 def layer_norm(y: int, x: int, w: int, b: int, m: int, d: int, eps: float = 1e-5, stream: int = 0, *,
-               device: int = 0) -> None:
-    """y = (x − mean)·rstd·w + b over each of m rows of d float32s; pointers are device addresses. device: the
-    GPU whose primary context is made current where the calling thread has no context."""
-    launch("layernorm", {"d": d}, {"m": m}, {"y": y, "x": x, "w": w, "b": b}, {"M": m, "eps": eps}, stream,
-           device=device)
+               device: int = 0, dtype: str = "float32", weight_dtype: str | None = None,
+               residual: int | None = None, residual_out: int | None = None) -> None:
+    """y = (x − mean)·rstd·w + b over each of m rows of d elements; pointers are device addresses. dtype: of x
+    and y (float32, bfloat16, float16); weight_dtype: of w and b (default: dtype). residual, residual_out:
+    normalize x + residual and write it to residual_out. device: the GPU whose primary context is made
+    current where the calling thread has no context."""
+    _norm("layernorm", {"y": y, "x": x, "w": w, "b": b}, m, d, eps, stream, device, dtype, weight_dtype, residual,
+          residual_out)
 
 
-def rms_norm(y: int, x: int, w: int, m: int, d: int, eps: float = 1e-6, stream: int = 0, *, device: int = 0) -> None:
-    """y = x·rstd·w with rstd = 1/sqrt(mean(x²) + eps) over each of m rows of d float32s; as layer_norm."""
-    launch("rmsnorm", {"d": d}, {"m": m}, {"y": y, "x": x, "w": w}, {"M": m, "eps": eps}, stream, device=device)
+def rms_norm(y: int, x: int, w: int, m: int, d: int, eps: float = 1e-6, stream: int = 0, *, device: int = 0,
+             dtype: str = "float32", weight_dtype: str | None = None, residual: int | None = None,
+             residual_out: int | None = None) -> None:
+    """y = x·rstd·w with rstd = 1/sqrt(mean(x²) + eps) over each of m rows of d elements; as layer_norm."""
+    _norm("rmsnorm", {"y": y, "x": x, "w": w}, m, d, eps, stream, device, dtype, weight_dtype, residual,
+          residual_out)
+
+
+def _norm(op_name: str, pointers: dict[str, int], m: int, d: int, eps: float, stream: int, device: int, dtype: str,
+          weight_dtype: str | None, residual: int | None, residual_out: int | None) -> None:
+    if (residual is None) != (residual_out is None):
+        raise LaunchError(f"{op_name}: give residual and residual_out together (x + residual is written to "
+                          "residual_out), or neither")
+    dims: dict[str, Any] = {"d": d}
+    if dtype != "float32" or (weight_dtype or dtype) != "float32" or residual is not None:
+        dims.update(dtype=dtype, weight_dtype=weight_dtype or dtype, residual=residual is not None)
+    if residual is not None:
+        pointers = {**pointers, "residual": residual, "residual_out": residual_out}
+    launch(op_name, dims, {"m": m}, pointers, {"M": m, "eps": eps}, stream, device=device)
 
 
 def matmul(c: int, a: int, b: int, m: int, n: int, k: int, stream: int = 0, *, device: int = 0) -> None:
@@ -99,14 +119,14 @@ def matmul(c: int, a: int, b: int, m: int, n: int, k: int, stream: int = 0, *, d
            tuned_only=True)
 
 
-def launch(op_name: str, dims: dict[str, int], run: dict[str, int], pointers: dict[str, int],
+def launch(op_name: str, dims: dict[str, Any], run: dict[str, int], pointers: dict[str, int],
            scalars: dict[str, int | float], stream: int = 0, *, device: int = 0, tuned_only: bool = False) -> None:
     """Launch op's kernel for this shape and run size on `stream` of the current context."""
     prepared = prepare(op_name, dims, run, device=device, tuned_only=tuned_only)
     prepared.launch([pointers[name] if name in pointers else scalars[name] for name in prepared.arg_names], stream)
 
 
-def prepare(op_name: str, dims: dict[str, int], run: dict[str, int], *, device: int = 0,
+def prepare(op_name: str, dims: dict[str, Any], run: dict[str, int], *, device: int = 0,
             tuned_only: bool = False) -> Prepared:
     """The launch for this shape and run size in the calling thread's current context (device `device`'s
     primary context where the thread has none): chosen, compiled and loaded on first use, then cached."""
@@ -132,7 +152,7 @@ def check_alignment(op_name: str, alignments: dict[str, int], pointers: dict[str
                               "or copy it (.clone())")
 
 
-def _prepare(op: Op, dims: dict[str, int], run: dict[str, int], context: int, tuned_only: bool) -> Prepared:
+def _prepare(op: Op, dims: dict[str, Any], run: dict[str, int], context: int, tuned_only: bool) -> Prepared:
     try:
         shape = op.shape(**dims)
         if op.run_dims:
@@ -162,12 +182,12 @@ def _choose(op: Op, shape: Any, run: dict[str, int], device: gpu.DeviceInfo, tun
             continue
         return pick_winner(op, shape, winners, run, device.l2_bytes).params
     if tuned_only:
-        raise LaunchError(f"{op.name}: no tuned kernel for {vars(shape)} on {device.name} "
+        raise LaunchError(f"{op.name}: no tuned kernel for {shape_dict(shape)} on {device.name} "
                           f"({why or 'none in ' + ', '.join(map(str, tuned_dirs()))}); tune it with mage-gen tune")
     params = _default_params(op, shape)
     if (op.name, shape) not in _warned:
         _warned.add((op.name, shape))
-        warnings.warn(f"mage-gen: no tuned {op.name} kernel for {vars(shape)} on {device.name} "
+        warnings.warn(f"mage-gen: no tuned {op.name} kernel for {shape_dict(shape)} on {device.name} "
                       f"({why or 'none stored'}); running the default config {op.params_to_dict(params)}, "
                       "compiled once and cached: tune it for a measured winner", UntunedKernelWarning, stacklevel=5)
     return params
@@ -175,10 +195,12 @@ def _choose(op: Op, shape: Any, run: dict[str, int], device: gpu.DeviceInfo, tun
 
 def _default_params(op: Op, shape: Any) -> Any:
     for values in DEFAULT_CANDIDATES.get(op.name, [{}]):  # matmul: its default config, fitted to the shape
+        if "vector" in values:  # the candidates name fp32 widths, as a preset does: the same bytes for 16-bit
+            values = {**values, "vector": op.fit_space(shape, {"vector": (values["vector"],)})["vector"][0]}
         params = op.params_from_dict({**op.defaults(shape), **values})
         try:
             op.validate(shape, params)
         except ConfigError:
             continue
         return params
-    raise LaunchError(f"{op.name}: no default config is valid for {vars(shape)}; tune it with mage-gen tune")
+    raise LaunchError(f"{op.name}: no default config is valid for {shape_dict(shape)}; tune it with mage-gen tune")

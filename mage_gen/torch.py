@@ -1,18 +1,23 @@
 """mage-gen's tuned kernels as PyTorch ops.
 
     from mage_gen.torch import layer_norm, matmul, rms_norm
-    y = layer_norm(x, weight, bias, eps=1e-5)   # x: (..., d) float32 CUDA; weight, bias: (d,)
-    y = rms_norm(x, weight, eps=1e-6)           # x: (..., d) float32 CUDA; weight: (d,)
+    y = layer_norm(x, weight, bias, eps=1e-5)   # x: (..., d) CUDA; weight, bias: (d,)
+    y = rms_norm(x, weight, eps=1e-6)           # x: (..., d) CUDA; weight: (d,)
+    y, h = rms_norm(x, weight, residual=r)      # h = x + r (rounded as torch rounds it), y = rms_norm(h)
     c = matmul(a, b)                            # a: (M, K), b: (K, N) float32 CUDA, a tuned (M, N, K)
 
-They are torch.library custom ops (mage_gen::layer_norm, mage_gen::rms_norm, mage_gen::matmul) with fake implementations, so
-torch.compile(fullgraph=True) keeps them in its graph. They launch through mage_gen.runtime on torch's
+x (and residual) are float32, bfloat16 or float16; weight and bias x's dtype or float32; the statistics are
+fp32 whatever the dtype. They are torch.library custom ops (mage_gen::layer_norm, mage_gen::rms_norm, their
+_residual forms, mage_gen::matmul) with fake implementations, so torch.compile(fullgraph=True) keeps them in
+its graph. They launch through mage_gen.runtime on torch's
 current stream (inside torch.cuda.graph capture too). In eager mode, with plain tensors and no dispatch mode
 active, the wrappers call the implementation directly: the dispatcher's round trip would cost more than the
 kernel at small sizes.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -23,20 +28,24 @@ from mage_gen.ops.layernorm import MAX_ROWS
 
 # Looked up once: an eager call's checks and launch are a good part of its cost at small sizes.
 _Tensor, _float32, _grad_enabled, _is_compiling = torch.Tensor, torch.float32, torch.is_grad_enabled, torch.compiler.is_compiling
+_ACTIVATIONS = (torch.float32, torch.bfloat16, torch.float16)  # what a norm's x may be
+_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # A CPU-only torch has neither, and no CUDA tensor that could reach a launch.
 _current_device = getattr(torch._C, "_cuda_getDevice", None)
 _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-def _check_tensor(fn: str, name: str, t: torch.Tensor, device: torch.device | None = None) -> None:
+def _check_tensor(fn: str, name: str, t: torch.Tensor, device: torch.device | None = None,
+                  dtypes: tuple = (torch.float32,)) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if t.requires_grad and torch.is_grad_enabled():
         # The kernels have no backward: an output with no grad_fn would silently stop gradients here.
         raise LaunchError(f"{fn}: {name} requires grad, and this op has no backward; call it under "
                           f"torch.no_grad() or torch.inference_mode(), or detach {name}")
-    if t.dtype != torch.float32:
-        raise TypeError(f"{fn}: {name} must be float32, got {t.dtype}; convert it with {name}.float()")
+    if t.dtype not in dtypes:
+        allowed = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"{fn}: {name} must be {allowed}, got {t.dtype}; convert it with {name}.to(...)")
     if t.device.type != "cuda":
         raise LaunchError(f"{fn}: {name} must be on a CUDA device, got {t.device}; move it with {name}.cuda()")
     if device is not None and t.device != device:
@@ -46,23 +55,35 @@ def _check_tensor(fn: str, name: str, t: torch.Tensor, device: torch.device | No
                           f"pass {name}.contiguous()")
 
 
-def _check_norm(fn: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[int, int]:
+def _check_norm(fn: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None) -> tuple[int, int]:
     """(rows, d) of a row norm's arguments (bias None: RMSNorm), or an error naming the argument."""
     # The common case in one expression (an eager call's checks are a good part of its cost); anything else
     # goes through the checks below, which name what is wrong.
     d = weight.numel()
     n = x.numel()
-    if (x.dtype is _float32 is weight.dtype and x.is_cuda and x.get_device() == weight.get_device()
+    act, wd = x.dtype, weight.dtype
+    if ((act is _float32 is wd or (act in _ACTIVATIONS and (wd is act or wd is _float32)))
+            and x.is_cuda and x.get_device() == weight.get_device()
             and x.is_contiguous() and weight.is_contiguous() and weight.dim() == 1 and x.dim() and x.shape[-1] == d
             and 0 < n <= MAX_ROWS * d and not (_grad_enabled() and (x.requires_grad or weight.requires_grad))
-            and (bias is None or (bias.dtype is _float32 and bias.get_device() == x.get_device()
+            and (bias is None or (bias.dtype is wd and bias.get_device() == x.get_device()
                                   and bias.is_contiguous() and bias.dim() == 1 and bias.numel() == d
-                                  and not (_grad_enabled() and bias.requires_grad)))):
+                                  and not (_grad_enabled() and bias.requires_grad)))
+            and (residual is None or (residual.dtype is act and residual.shape == x.shape and residual.is_contiguous()
+                                      and residual.get_device() == x.get_device()
+                                      and not (_grad_enabled() and residual.requires_grad)))):
         return n // d, d
     vectors = (("weight", weight),) + ((("bias", bias),) if bias is not None else ())
-    _check_tensor(fn, "x", x)
+    _check_tensor(fn, "x", x, dtypes=_ACTIVATIONS)
     for name, t in vectors:
-        _check_tensor(fn, name, t, x.device)
+        _check_tensor(fn, name, t, x.device, dtypes=tuple(dict.fromkeys((x.dtype, torch.float32))))
+    if bias is not None and bias.dtype != weight.dtype:
+        raise TypeError(f"{fn}: bias must have weight's dtype {weight.dtype}, got {bias.dtype}")
+    if residual is not None:
+        _check_tensor(fn, "residual", residual, x.device, dtypes=(x.dtype,))
+        if residual.shape != x.shape:
+            raise LaunchError(f"{fn}: residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
     if x.dim() < 1:
         raise LaunchError(f"{fn}: x must have at least one dimension (rows × d), got a 0-d tensor")
     d = x.shape[-1]
@@ -100,28 +121,63 @@ def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("mage_gen::layer_norm_residual", mutates_args=())
+def _layer_norm_residual_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _norm_impl("layernorm", x, weight, bias, eps, residual=residual)
+
+
+@_layer_norm_residual_op.register_fake
+def _(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_norm("mage_gen.torch.layer_norm", x, weight, bias, residual)
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.custom_op("mage_gen::rms_norm_residual", mutates_args=())
+def _rms_norm_residual_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _norm_impl("rmsnorm", x, weight, None, eps, residual=residual)
+
+
+@_rms_norm_residual_op.register_fake
+def _(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_norm("mage_gen.torch.rms_norm", x, weight, None, residual)
+    return torch.empty_like(x), torch.empty_like(x)
+
+
 _PUBLIC = {"layernorm": "mage_gen.torch.layer_norm", "rmsnorm": "mage_gen.torch.rms_norm"}
 
 
 def _norm_impl(op_name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> Any:
+    """y, or (y, x + residual) where residual is given."""
     fn = _PUBLIC[op_name]
-    m, d = _check_norm(fn, x, weight, bias)
+    m, d = _check_norm(fn, x, weight, bias, residual)
     if out is None:
         y = torch.empty_like(x)
     else:
         _check_out(fn, x, out)
-        if any(_overlap(out, t) for t in (x, weight, bias) if t is not None):
+        if any(_overlap(out, t) for t in (x, weight, bias, residual) if t is not None):
             raise LaunchError(f"{fn}: out overlaps an input; the kernel reads each input while it writes out, so "
                               "give out its own memory")
         y = out
     index = x.get_device()
-    prepared = _launches.get((index, op_name, d, m)) or _prepare(index, op_name, {"d": d}, {"m": m})
-    if bias is None:
-        _launch(prepared, index, (y.data_ptr(), x.data_ptr(), weight.data_ptr(), m, float(eps)))
-    else:
-        _launch(prepared, index, (y.data_ptr(), x.data_ptr(), weight.data_ptr(), bias.data_ptr(), m, float(eps)))
-    return y
+    act, wd = x.dtype, weight.dtype
+    key = (index, op_name, d, m) if act is _float32 is wd and residual is None else \
+        (index, op_name, d, m, act, wd, residual is not None)
+    prepared = _launches.get(key)
+    if prepared is None:
+        dims = {"d": d} if len(key) == 4 else {"d": d, "dtype": _NAMES[act], "weight_dtype": _NAMES[wd],
+                                               "residual": residual is not None}
+        prepared = _launches[key] = _prepare(index, op_name, dims, {"m": m})
+    weights = (weight.data_ptr(),) if bias is None else (weight.data_ptr(), bias.data_ptr())
+    if residual is None:
+        _launch(prepared, index, (y.data_ptr(), x.data_ptr(), *weights, m, float(eps)))
+        return y
+    h = torch.empty_like(x)
+    _launch(prepared, index, (y.data_ptr(), h.data_ptr(), x.data_ptr(), residual.data_ptr(), *weights, m, float(eps)))
+    return y, h
 
 
 def _check_out(fn: str, x: torch.Tensor, out: torch.Tensor) -> None:
@@ -152,15 +208,13 @@ def _launch(prepared: runtime.Prepared, index: int, values: tuple) -> None:
         prepared.launch(values, stream)
 
 
-def _prepare(index: int, op_name: str, dims: dict[str, int], run: dict[str, int],
+def _prepare(index: int, op_name: str, dims: dict[str, Any], run: dict[str, int],
              tuned_only: bool = False) -> runtime.Prepared:
-    """The launch of this shape and run size on device `index`, made once and kept in _launches."""
+    """The launch of this shape and run size on device `index` (the caller keeps it in _launches)."""
     with torch.cuda.device(index):
         torch.cuda.init()
         gpu.make_primary_current(index)  # torch's context: the device's primary one
-        prepared = runtime.prepare(op_name, dims, run, device=index, tuned_only=tuned_only)
-    _launches[(index, op_name, *dims.values(), *run.values())] = prepared
-    return prepared
+        return runtime.prepare(op_name, dims, run, device=index, tuned_only=tuned_only)
 
 
 def _eager(*tensors: torch.Tensor) -> bool:
@@ -170,28 +224,37 @@ def _eager(*tensors: torch.Tensor) -> bool:
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5, *,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-    """F.layer_norm(x, (d,), weight, bias, eps) for float32 CUDA x of any leading shape, with this GPU's tuned
-    kernel for d and the number of rows. out: write into this tensor (x's shape, contiguous, not overlapping
-    x) instead of a new one, as a CUDA graph replaying into fixed buffers wants."""
+               residual: torch.Tensor | None = None, out: torch.Tensor | None = None) -> Any:
+    """F.layer_norm(x, (d,), weight, bias, eps) for CUDA x of any leading shape, with this GPU's tuned kernel
+    for d, the dtypes and the number of rows. residual: normalize h = x + residual instead, and return
+    (y, h). out: write y into this tensor (x's shape, contiguous, not overlapping an input) instead of a new
+    one, as a CUDA graph replaying into fixed buffers wants."""
     if (type(x) is _Tensor and type(weight) is _Tensor and type(bias) is _Tensor  # _eager, inline
-            and (out is None or type(out) is _Tensor) and not _is_compiling() and _get_current_dispatch_mode() is None):
-        return _norm_impl("layernorm", x, weight, bias, eps, out)
+            and (out is None or type(out) is _Tensor) and not _is_compiling() and _get_current_dispatch_mode() is None
+            and (residual is None or type(residual) is _Tensor)):
+        return _norm_impl("layernorm", x, weight, bias, eps, out, residual)
     if out is not None:
         _check_out(_PUBLIC["layernorm"], x, out)
+    if residual is not None:
+        y, h = _layer_norm_residual_op(x, residual, weight, bias, eps)
+        return (y if out is None else out.copy_(y)), h
     y = _layer_norm_op(x, weight, bias, eps)
     return y if out is None else out.copy_(y)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
-             out: torch.Tensor | None = None) -> torch.Tensor:
-    """F.rms_norm(x, (d,), weight, eps) for float32 CUDA x of any leading shape, with this GPU's tuned kernel
-    for d and the number of rows; out as for layer_norm."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, residual: torch.Tensor | None = None,
+             out: torch.Tensor | None = None) -> Any:
+    """F.rms_norm(x, (d,), weight, eps) for CUDA x of any leading shape, with this GPU's tuned kernel for d,
+    the dtypes and the number of rows; residual and out as for layer_norm."""
     if (type(x) is _Tensor and type(weight) is _Tensor and (out is None or type(out) is _Tensor)
-            and not _is_compiling() and _get_current_dispatch_mode() is None):
-        return _norm_impl("rmsnorm", x, weight, None, eps, out)
+            and not _is_compiling() and _get_current_dispatch_mode() is None
+            and (residual is None or type(residual) is _Tensor)):
+        return _norm_impl("rmsnorm", x, weight, None, eps, out, residual)
     if out is not None:
         _check_out(_PUBLIC["rmsnorm"], x, out)
+    if residual is not None:
+        y, h = _rms_norm_residual_op(x, residual, weight, eps)
+        return (y if out is None else out.copy_(y)), h
     y = _rms_norm_op(x, weight, eps)
     return y if out is None else out.copy_(y)
 
@@ -223,8 +286,10 @@ def _matmul_impl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     m, n, k = _check_matmul(a, b)
     c = torch.empty((m, n), dtype=a.dtype, device=a.device)
     index = a.get_device()
-    prepared = (_launches.get((index, "matmul", m, n, k))
-                or _prepare(index, "matmul", {"m": m, "n": n, "k": k}, {}, tuned_only=True))
+    prepared = _launches.get((index, "matmul", m, n, k))
+    if prepared is None:
+        prepared = _launches[(index, "matmul", m, n, k)] = _prepare(index, "matmul", {"m": m, "n": n, "k": k}, {},
+                                                                    tuned_only=True)
     _launch(prepared, index, (c.data_ptr(), a.data_ptr(), b.data_ptr()))
     return c
 

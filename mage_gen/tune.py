@@ -28,6 +28,7 @@ from mage_gen.backends import Backend
 from mage_gen.compile import nvrtc_version
 from mage_gen.errors import CompileError, ConfigError, MageError
 from mage_gen.ops import Op
+from mage_gen.ops.base import shape_dict
 from mage_gen.space import Space, expand
 from mage_gen.timing import Timing
 from mage_gen.variants import Variant, build, prebuild
@@ -97,7 +98,7 @@ class TuneResult:
         """The tuned/ record of this result, provenance included."""
         w = self.winner
         return {
-            "shape": vars(shape), "run": run, "dtype": "float32", "params": op.params_to_dict(w.params),
+            "shape": shape_dict(shape), "run": run, "dtype": getattr(shape, "dtype", "float32"), "params": op.params_to_dict(w.params),
             "kernel": w.name, "template": w.template, "template_hash": w.template_hash, "source_hash": w.source_hash,
             "objective": objective,
             "timings": {"hot": w.hot.to_dict(), "cold": w.cold.to_dict()},
@@ -156,7 +157,7 @@ def tune(op: Op, shape: Any, run: dict[str, int], space: Space, backend: Backend
         raise ConfigError(f"objective: must be 'hot' or 'cold', got {objective!r}")
     valid, rejected = expand(op, shape, space)
     if not valid:
-        raise ConfigError(f"space: no config of preset {space.preset} is valid for {op.name} {vars(shape)}; "
+        raise ConfigError(f"space: no config of preset {space.preset} is valid for {op.name} {shape_dict(shape)}; "
                           f"first rejection: {rejected[0][1] if rejected else 'none'}; a wider preset "
                           "(--preset full) may hold some")
     exhaustive = len(valid) <= EXHAUSTIVE_LIMIT
@@ -165,7 +166,7 @@ def tune(op: Op, shape: Any, run: dict[str, int], space: Space, backend: Backend
     axes = {axis: list(values) for axis, values in space.axes}
     # Optuna cannot reopen a study whose categorical choices changed: the space is part of its identity.
     space_id = hashlib.sha256(json.dumps(axes, sort_keys=True).encode()).hexdigest()[:8]
-    identity = {"op": op.name, "shape": vars(shape), "run": run, "objective": objective, "arch": backend.arch,
+    identity = {"op": op.name, "shape": shape_dict(shape), "run": run, "objective": objective, "arch": backend.arch,
                 "gpu": backend.device["name"], "preset": space.preset, "space": space_id}
     name = study_name or "{op}-{shape}-m{m}-{gpu}-{arch}-{objective}-{preset}-{space}".format(
         op=op.name, shape=op.slug(shape), m="x".join(map(str, run.values())), objective=objective,

@@ -152,7 +152,7 @@ def test_the_variants_table_shows_the_rows_loads_not_a_weight_vectors():
 
     op = get_op("layernorm")
     variant = build(op, op.shape(d=768), op.params_from_dict({"threads": 32, "vector": 2}), "sm_90")
-    assert _loads_summary(op, variant.census) == "x 12×v2"
+    assert _loads_summary(op, op.shape(d=768), variant.census) == "x 12×v2"
 
 
 def test_odd_matmul_shapes_get_copies_their_rows_allow_in_the_default_and_the_quick_preset():

@@ -84,7 +84,7 @@ def test_launch_json_round_trips(tmp_path, synthetic_entry):
     doc = json.loads((tmp_path / "layernorm_d1024.launch.json").read_text())
     assert doc["kernel"] == "layernorm_multirow_d1024_t32_v4_r4_approx_nc" and doc["arch"] == "sm_80"
     assert doc["launch"] == {"grid": ["(M + 3) / 4", 1, 1], "block": [128, 1, 1], "dynamic_shared_bytes": 0}
-    assert [(a["name"], a["type"]) for a in doc["args"]] == [(a.name, C_TYPES[a.kind]) for a in OP.args]
+    assert [(a["name"], a["type"]) for a in doc["args"]] == [(a.name, C_TYPES[a.kind]) for a in OP.args(OP.shape(d=1024))]
     assert OP.params_from_dict(doc["params"]) == params
     assert OP.shape(**doc["shape"]) == OP.shape(d=1024)
     assert doc["provenance"] == json.loads(json.dumps(entry))
@@ -97,7 +97,7 @@ def test_launch_json_carries_the_contract(tmp_path):
     doc = json.loads((tmp_path / "layernorm_d768.launch.json").read_text())
     assert doc["format"] == 2 and doc["size_classes"] is None
     contract = doc["contract"]
-    assert list(contract["tensors"]) == [a.name for a in OP.args if a.kind in ("in", "out")]
+    assert list(contract["tensors"]) == [a.name for a in OP.args(SHAPE) if a.kind in ("in", "out")]
     assert contract["tensors"]["x"] == {"dtype": "float32", "shape": ["M", 768],
                                         "layout": "row-major, contiguous, row stride 768 elements",
                                         "alignment_bytes": 16}
@@ -294,6 +294,28 @@ def test_header_compiles_links_and_launches_as_the_formula_says(tmp_path):
     assert got["matmul"] == ["set_attribute 0x1000 8 133120",
                              "launch 0x1000 grid 8 8 1 block 256 1 1 shared 133120 stream 0x2000 arg0 0x100000 "
                              "extra (nil)", "result 0"]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+def test_a_bf16_residual_kernel_is_emitted_with_its_types_and_its_header_compiles(tmp_path):
+    rms = get_op("rmsnorm")
+    shape = rms.shape(d=4096, dtype="bf16", weight_dtype="fp32", residual=True)
+    params = rms.params_from_dict({"threads": 256, "vector": 8})
+    paths = emit(rms, shape, params, "sm_90", tmp_path, None)
+    doc = json.loads((tmp_path / "rmsnorm_d4096_bf16_wfp32_res.launch.json").read_text())
+    assert [(a["name"], a["type"]) for a in doc["args"]] == [
+        ("y", "unsigned short*"), ("residual_out", "unsigned short*"), ("x", "const unsigned short*"),
+        ("residual", "const unsigned short*"), ("w", "const float*"), ("M", "int"), ("eps", "float")]
+    assert doc["contract"]["tensors"]["residual"]["dtype"] == "bfloat16"
+    assert doc["contract"]["tensors"]["x"]["alignment_bytes"] == 16 and doc["contract"]["tensors"]["w"]["alignment_bytes"] == 16
+    run_checked(["nvcc", "-cubin", "-arch=sm_90", str(paths[0]), "-o", str(tmp_path / "k.cubin")])
+    (tmp_path / "caller.cpp").write_text(
+        '#include "rmsnorm_d4096_bf16_wfp32_res.h"\n'
+        "CUresult call(CUfunction f, unsigned short* y, unsigned short* h, const unsigned short* x,\n"
+        "              const unsigned short* r, const float* w, CUstream s)\n"
+        "{ return rmsnorm_d4096_bf16_wfp32_res_launch(f, y, h, x, r, w, 37, 1e-6f, s); }\n")
+    run_checked(["nvcc", "-cudart", "none", "-Xcompiler", "-Wall,-Wextra,-Werror", "-c", str(tmp_path / "caller.cpp"),
+                 "-I", str(tmp_path), "-o", str(tmp_path / "caller.o")])
 
 
 def test_unwritable_out_dir_is_a_one_line_error(tmp_path):

@@ -170,26 +170,30 @@ def test_raw_runtime_launches_on_a_stream_without_torch_wrappers():
     assert np.isfinite(y.cpu().numpy()).all()
 
 
-def test_the_gpu_comparison_agrees_with_the_cpu_gate_and_fails_nan():
+@pytest.mark.parametrize("element", ["float32", "bfloat16", "float16"])
+def test_the_gpu_comparison_agrees_with_the_cpu_gate_and_fails_nan(element):
     from mage_gen import gpu
+    from mage_gen.dtypes import dtype
     from mage_gen.measure import DeviceReference, compare_outputs
 
+    kind = dtype(element)
     gpu.open_device()
     stream = gpu.Stream()
     rng = np.random.default_rng(8)
-    ref = rng.standard_normal((300, 77))
-    out = (ref * (1 + 3e-6 * rng.standard_normal(ref.shape))).astype(np.float32)
-    held = DeviceReference({"y": ref})
+    exact = rng.standard_normal((300, 77))
+    ref = kind.widen(kind.round(exact)).astype(np.float64)  # the reference rounded to the output's type
+    out = kind.round(exact * (1 + 3e-6 * rng.standard_normal(exact.shape)))
+    held = DeviceReference({"y": ref}, {"y": kind})
     buf = gpu.Buffer(out.nbytes)
     try:
         buf.upload(out)
         err, reason = held.compare_at(LN, {"y": buf.ptr}, stream)
         cpu_err, cpu_reason = compare_outputs(LN, {"y": out}, {"y": ref})
-        assert not reason and not cpu_reason and abs(err - cpu_err) <= 1e-3 * cpu_err
-        out[17, 3] = np.nan
+        assert not reason and not cpu_reason and abs(err - cpu_err) <= 1e-3 * cpu_err + 1e-12
+        out[17, 3] = kind.round(np.array([np.nan]))[0]
         buf.upload(out)
         assert "1 NaN or infinite" in held.compare_at(LN, {"y": buf.ptr}, stream)[1]
-        out[17, 3] = ref[17, 3] + 1.0
+        out[17, 3] = kind.round(np.array([ref[17, 3] + 100.0]))[0]  # past one bf16 ulp of the whole norm
         buf.upload(out)
         assert "relative error" in held.compare_at(LN, {"y": buf.ptr}, stream)[1]
     finally:

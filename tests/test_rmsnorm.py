@@ -36,7 +36,7 @@ def test_every_third_quick_preset_variant_compiles_to_one_sum_and_no_bias(d):
 def test_rmsnorm_has_one_statistic():
     with pytest.raises(ConfigError, match="^stats: rmsnorm has one statistic"):
         RMS.validate(RMS.shape(d=768), RMS.params_from_dict({"stats": "one_pass"}))
-    assert [a.name for a in RMS.args] == ["y", "x", "w", "M", "eps"]
+    assert [a.name for a in RMS.args(RMS.shape(d=768))] == ["y", "x", "w", "M", "eps"]
     assert "b" not in RMS.contract(RMS.shape(d=768), RMS.params_from_dict({}))["tensors"]
 
 

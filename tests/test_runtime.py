@@ -54,7 +54,12 @@ def fake(*shape, dtype=torch.float32, device="cuda"):
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda: (fake(4, 768, dtype=torch.float16), fake(768), fake(768)), "x must be float32, got torch.float16"),
+    (lambda: (fake(4, 768, dtype=torch.float64), fake(768), fake(768)),
+     "x must be float32 or bfloat16 or float16, got torch.float64"),
+    (lambda: (fake(4, 768, dtype=torch.bfloat16), fake(768, dtype=torch.float16), fake(768, dtype=torch.float16)),
+     "weight must be bfloat16 or float32, got torch.float16"),
+    (lambda: (fake(4, 768, dtype=torch.bfloat16), fake(768), fake(768, dtype=torch.bfloat16)),
+     "bias must have weight's dtype torch.float32, got torch.bfloat16"),
     (lambda: (fake(4, 768, device="cpu"), fake(768, device="cpu"), fake(768, device="cpu")),
      "x must be on a CUDA device, got cpu"),
     (lambda: (fake(4, 768), fake(768, device="cpu"), fake(768)), "weight must be on a CUDA device"),
@@ -73,7 +78,7 @@ def test_bad_arguments_name_the_argument(make, message):
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda: (fake(4, 768, dtype=torch.bfloat16), fake(768)), "x must be float32, got torch.bfloat16"),
+    (lambda: (fake(4, 768, dtype=torch.int32), fake(768)), "x must be float32 or bfloat16 or float16, got torch.int32"),
     (lambda: (fake(4, 768), fake(767)), r"weight must have shape \(768,\)"),
     (lambda: (fake(4, 768), fake(768, device="cpu")), "weight must be on a CUDA device"),
     (lambda: (fake(0, 768), fake(768)), r"x has shape \(0, 768\): no rows to normalize"),
@@ -83,6 +88,26 @@ def test_rms_norm_names_a_bad_argument(make, message):
         x, w = make()
         with pytest.raises((LaunchError, TypeError), match="^mage_gen.torch.rms_norm: " + message):
             mt.rms_norm(x, w)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: (fake(4, 768, dtype=torch.bfloat16), fake(4, 768), fake(768)),
+     "residual must be bfloat16, got torch.float32"),
+    (lambda: (fake(4, 768), fake(2, 768), fake(768)), r"residual must have x's shape \(4, 768\), got \(2, 768\)"),
+    (lambda: (fake(4, 768), fake(768, 4).t(), fake(768)), "residual must be contiguous"),
+])
+def test_a_bad_residual_is_named(make, message):
+    with FakeTensorMode():
+        x, r, w = make()
+        with pytest.raises((LaunchError, TypeError), match="^mage_gen.torch.rms_norm: " + message):
+            mt.rms_norm(x, w, residual=r)
+
+
+def test_the_residual_form_under_fake_tensors_gives_y_and_the_sum_in_xs_dtype():
+    with FakeTensorMode():
+        x, r, w, b = fake(3, 5, 768, dtype=torch.bfloat16), fake(3, 5, 768, dtype=torch.bfloat16), fake(768), fake(768)
+        y, h = torch.ops.mage_gen.layer_norm_residual(x, r, w, b, 1e-5)
+        assert y.shape == h.shape == x.shape and y.dtype == h.dtype == torch.bfloat16
 
 
 def test_an_input_that_requires_grad_is_refused_not_silently_detached():

@@ -9,7 +9,7 @@ import numpy as np
 
 from mage_gen.interp.errors import InterpError
 from mage_gen.interp.launch import run
-from mage_gen.measure import GateResult, compare_outputs, relative_error
+from mage_gen.measure import GateResult, compare_outputs, relative_error, widen
 
 
 def launch_with(op, shape: Any, variant: Any, run_sizes: dict[str, int], inputs: dict[str, np.ndarray]
@@ -17,14 +17,17 @@ def launch_with(op, shape: Any, variant: Any, run_sizes: dict[str, int], inputs:
     """One launch on the given inputs into NaN-poisoned outputs, returned. Raises InterpError for what the
     interpreter catches."""
     launch = op.geometry(shape, variant.params, run_sizes)
-    outputs = {name: np.full(s, np.nan, dtype=np.float32) for name, s in op.output_shapes(shape, run_sizes).items()}
+    dtypes = op.output_dtypes(shape)
+    outputs = {name: np.full(s, dtypes[name].nan_bits & 0xFFFF, dtype=np.uint16).view(dtypes[name].storage)
+               if dtypes[name].half else np.full(s, np.nan, dtype=np.float32)
+               for name, s in op.output_shapes(shape, run_sizes).items()}
     scalars = op.scalars(shape, run_sizes)
     args = []
-    for arg in op.args:
+    for arg in op.args(shape):
         if arg.kind == "out":
             args.append(outputs[arg.name])
         elif arg.kind == "in":  # a copy: a kernel that writes into an input must not change the reference's
-            args.append(np.array(inputs[arg.name], dtype=np.float32))
+            args.append(np.array(inputs[arg.name]))
         elif arg.kind == "i32":
             args.append(int(scalars[arg.name]))
         else:
@@ -52,7 +55,7 @@ def worst_error(op, shape: Any, variant: Any, run_sizes: dict[str, int], rng: np
         result = run_once(op, shape, variant, gate_run, rng)
         for name, ref in result["reference"].items():
             out = result["outputs"][name]
-            err = float("inf") if np.isnan(out).any() else relative_error(out, ref)
+            err = float("inf") if np.isnan(widen(out)).any() else relative_error(out, ref)
             worst = max(worst, err)
     return worst
 

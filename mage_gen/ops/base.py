@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, Protocol
 
 import numpy as np
 
+from mage_gen.dtypes import DType
 from mage_gen.errors import ConfigError
 from mage_gen.render import Source
 
@@ -50,6 +51,16 @@ def params_dict(params: Any, hidden: frozenset[str] = frozenset()) -> dict[str, 
     return values
 
 
+def shape_dict(shape: Any) -> dict[str, Any]:
+    """A shape as plain data, leaving out each optional field at its default: an fp32 layer norm of d = 768 is
+    {'d': 768}, as it was before shapes had dtypes, so its studies and entries keep their names."""
+    values = asdict(shape)
+    for f in fields(shape):
+        if f.default is not MISSING and values[f.name] == f.default:
+            del values[f.name]
+    return values
+
+
 def register_cap(block_threads: int) -> int:
     """Registers per thread ptxas allows under __launch_bounds__(block, 1): the 64K register file split
     over the block's warps, rounded up to whole groups of 4 warps, in steps of 8, at most 255."""
@@ -72,23 +83,26 @@ class Launch:
 
 @dataclass(frozen=True)
 class Arg:
-    """One kernel parameter, in launch order. kind: 'out' | 'in' (float32 buffers), 'i32', 'f32'."""
+    """One kernel parameter, in launch order. kind: 'out' | 'in' (buffers of `dtype` elements), 'i32', 'f32'."""
 
     name: str
     kind: str
+    dtype: str = "float32"  # of a buffer's elements (torch's name)
 
 
 class Op(Protocol):
     name: str
-    tolerance: float  # largest accepted ‖out − ref‖ / ‖ref‖
+    tolerance: float  # largest accepted ‖out − ref‖ / ‖ref‖ of an fp32 output
     params_type: type
     shape_dims: tuple[str, ...]  # what the kernel is generated for, e.g. ('d',)
     run_dims: tuple[str, ...]  # sizes given at launch, e.g. ('m',)
     run_defaults: dict[str, int]  # for the CLI, where a launch size is not given
-    args: tuple[Arg, ...]
     min_arch: int  # oldest sm_XY its templates build for, as XY (matmul's cp.async needs 80)
 
-    def shape(self, **dims: int) -> Any: ...
+    def shape(self, **dims: Any) -> Any: ...
+    def args(self, shape: Any) -> tuple[Arg, ...]: ...  # the kernel's parameters, pointers first
+    def output_dtypes(self, shape: Any) -> dict[str, DType]: ...
+    def tolerance_of(self, output: str, dtype: DType) -> float: ...  # the gate's bound for that output
     def validate(self, shape: Any, params: Any) -> None: ...
     def source(self, shape: Any, params: Any) -> Source: ...
     def geometry(self, shape: Any, params: Any, run: dict[str, int]) -> Launch: ...

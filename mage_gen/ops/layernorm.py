@@ -1,6 +1,19 @@
-"""Layer norm, fp32, row-major M×d: y = (x − mean)·rstd·w + b with rstd = 1/sqrt(var + eps).
+"""Layer norm, row-major M×d: y = (x − mean)·rstd·w + b with rstd = 1/sqrt(var + eps).
 
-d is fixed when the kernel is generated; M is given at launch. Templates:
+d, the element types and the residual form are fixed when the kernel is generated; M is given at launch.
+x, y (and residual) are fp32, bf16 or fp16; w and b the same type or fp32; the statistics and every
+operation on values are fp32. With residual, the row normalized is x + residual, computed in fp32 and
+rounded once to the activation type, as torch computes `x + residual`; it is written to residual_out.
+
+The gate's tolerance, per output type (tolerance_of):
+  fp32 y       1e-5 relative norm: fp32 sums over d values, rsqrt.approx (2 ulp), against float64.
+  bf16/fp16 y  2u + 1e-5, u the type's unit roundoff (bf16 2⁻⁸, fp16 2⁻¹¹): one ulp. The reference is the
+               float64 result rounded once to the type; the kernel's fp32 result (within the fp32 tolerance of
+               it) rounds to the same value, or, where the two straddle a rounding boundary, to its neighbour,
+               one ulp (at most 2u relative) away. So ‖out − ref‖ ≤ (2u + 1e-5)‖ref‖ at any size, however
+               few the elements; a wrong row, statistic or weight is off by far more than an ulp.
+  residual_out 0: the same fp32 sum and one rounding as torch, bit for bit.
+Templates:
   row       one block of T threads per row, the row held in registers and read once;
   multirow  R rows per block, T threads per row (a warp per row needs no barrier at all);
   wide      rows too wide for registers: loop over the row twice (Chan-merged statistics, then output).
@@ -14,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from mage_gen.dtypes import FLOAT32, DType
+from mage_gen.dtypes import dtype as element_type
 from mage_gen.errors import ConfigError
 from mage_gen.ops.base import Arg, Launch, params_dict, params_from, public_params_from, register_cap
 from mage_gen.render import Source, render
@@ -23,13 +38,15 @@ VECTOR_WIDTHS = (1, 2, 4)
 RSQRT_MODES = ("approx", "exact")
 STATS = ("two_pass", "one_pass")
 HINTS = ("none", "nc", "stream")
+# elements per access of a 16-bit row: 4, 8 or 16 bytes (a single 16-bit element is never loaded alone)
+HALF_VECTOR_WIDTHS = (2, 4, 8)
 MAX_D = 1 << 20
 # The kernels count rows and row groups in int: (M + R - 1) / R and a group's last row must not overflow.
 MAX_ROWS = 2**31 - 1024
 # Elements of x the gate draws fresh for every check, at most (a persistent grid may need more rows)
 GATE_ELEMENTS = 1 << 22
 MAX_VALUES_PER_THREAD = 64  # floats of one row a thread may hold; beyond it ptxas starts to spill
-_REGISTERS_PER_VALUE = {1: 5.0, 2: 3.5, 4: 2.25}
+_REGISTERS_PER_VALUE = {1: 5.0, 2: 3.5, 4: 2.25}  # by 4-byte words per access
 _TEMPLATE_FILES = {"row": "layernorm/resident.cu.j2", "multirow": "layernorm/resident.cu.j2",
                    "wide": "layernorm/wide.cu.j2"}
 # (x loads, y stores, w/b loads) for each hint
@@ -39,6 +56,9 @@ _HINT_SUFFIXES = {"none": ("", "", ""), "nc": ("nc", "", "nc"), "stream": ("nc_n
 @dataclass(frozen=True)
 class Shape:
     d: int
+    dtype: str = "float32"  # of x, y and the residual (torch's name)
+    weight_dtype: str = "float32"  # of w and b: the activations' or float32
+    residual: bool = False  # y = norm(x + residual), and x + residual written to residual_out
 
 
 @dataclass(frozen=True)
@@ -58,10 +78,10 @@ class Params:
                 f"{self.rsqrt} {self.hint}{extra}")
 
 
-def _registers_needed(values: int, vector: int) -> int:
+def _registers_needed(values: int, words: int) -> int:
     """A conservative estimate, fitted to ptxas 13.0 over 1457 compiled row/multirow variants (none that
     it admits spilled): narrower vectors cost more registers per value in addresses and predicates."""
-    return math.ceil(values * _REGISTERS_PER_VALUE[vector]) + 16
+    return math.ceil(values * _REGISTERS_PER_VALUE[words]) + 16
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -73,22 +93,47 @@ class LayerNorm:
     tolerance = 1e-5
     params_type = Params
     shape_dims = ("d",)
+    shape_options = ("dtype", "weight_dtype", "residual")  # the shape's other fields: --dtype, --config residual=true
     run_dims = ("m",)
     run_defaults = {"m": 4096}
-    args = (Arg("y", "out"), Arg("x", "in"), Arg("w", "in"), Arg("b", "in"), Arg("M", "i32"),
-            Arg("eps", "f32"))
     eps = 1e-5
     min_arch = 70  # ld.global.nc.L1::no_allocate
     norm = "layer"  # the templates' NORM: what the row is normalized by (RMSNorm: "rms")
+    eps_meaning = "added to the variance before the square root"
 
     # ---- shapes and params ----
-    def shape(self, **dims: int) -> Shape:
-        d = dims.get("d")
+    def shape(self, d: Any = None, dtype: str | None = None, weight_dtype: str | None = None,
+              residual: Any = False) -> Shape:
+        """dtype: of the activations (default fp32); weight_dtype: of w and b (default: the activations')."""
         if not isinstance(d, int) or isinstance(d, bool):
             raise ConfigError(f"d-range: d must be a whole number, got {d!r}")
         if not 1 <= d <= MAX_D:
             raise ConfigError(f"d-range: d={d} is outside 1..{MAX_D}; give the row length as --d")
-        return Shape(d)
+        act = element_type(dtype or "float32")
+        weight = element_type(weight_dtype) if weight_dtype else act
+        if weight not in (act, FLOAT32):
+            raise ConfigError(f"weight-dtype: weights are {act.short} (as the activations) or fp32, got {weight.short}")
+        if not isinstance(residual, bool):
+            raise ConfigError(f"residual: residual is true or false, got {residual!r}")
+        if act.half and d % 2:
+            raise ConfigError(f"dtype: a {act.short} row is moved at least 4 bytes (2 elements) at a time, so d must be "
+                              f"even, got {d}; pad the rows to {d + 1}")
+        return Shape(d, act.name, weight.name, residual)
+
+    def args(self, shape: Shape) -> tuple[Arg, ...]:
+        act, weight = shape.dtype, shape.weight_dtype
+        outputs = [Arg("y", "out", act)] + ([Arg("residual_out", "out", act)] if shape.residual else [])
+        inputs = [Arg("x", "in", act)] + ([Arg("residual", "in", act)] if shape.residual else [])
+        weights = [Arg("w", "in", weight)] + ([Arg("b", "in", weight)] if self.norm == "layer" else [])
+        return (*outputs, *inputs, *weights, Arg("M", "i32"), Arg("eps", "f32"))
+
+    def output_dtypes(self, shape: Shape) -> dict[str, DType]:
+        return {a.name: element_type(a.dtype) for a in self.args(shape) if a.kind == "out"}
+
+    def tolerance_of(self, output: str, dtype: DType) -> float:
+        if output == "residual_out":
+            return 0.0
+        return self.tolerance if dtype == FLOAT32 else 2 * dtype.unit_roundoff + self.tolerance
 
     def params_from_dict(self, values: dict[str, Any]) -> Params:
         return params_from(Params, self.name, values)
@@ -100,7 +145,10 @@ class LayerNorm:
         return {}
 
     def fit_space(self, shape: Shape, axes: dict[str, tuple]) -> dict[str, tuple]:
-        return axes
+        """A preset names fp32 vector widths; a 16-bit row takes twice the elements: the same bytes per access."""
+        if not element_type(shape.dtype).half or "vector" not in axes:
+            return axes
+        return {**axes, "vector": tuple(2 * v for v in axes["vector"])}
 
     def params_to_dict(self, params: Params) -> dict[str, Any]:
         return params_dict(params)
@@ -113,7 +161,11 @@ class LayerNorm:
             raise ConfigError(f"threads-multiple-of-32: threads per row must be a multiple of 32, got {t}")
         if not 32 <= t <= 1024:
             raise ConfigError(f"threads-range: threads per row must be 32..1024, got {t}")
-        if v not in VECTOR_WIDTHS:
+        act = element_type(shape.dtype)
+        if act.half and v not in HALF_VECTOR_WIDTHS:
+            raise ConfigError(f"vector-width: a {act.short} row moves {HALF_VECTOR_WIDTHS} elements per access "
+                              f"(4, 8 or 16 bytes), got {v}")
+        if not act.half and v not in VECTOR_WIDTHS:
             raise ConfigError(f"vector-width: vector must be one of {VECTOR_WIDTHS} floats, got {v}")
         if v > d:
             raise ConfigError(f"vector-width: vector={v} is wider than the row (d={d}); use vector 1")
@@ -125,6 +177,9 @@ class LayerNorm:
             raise ConfigError(f"stats: stats must be one of {STATS}, got {p.stats!r}")
         if not isinstance(p.grid_cap, int) or p.grid_cap < 0:
             raise ConfigError(f"grid-cap: grid_cap is 0 (a block per row group) or a block count, got {p.grid_cap!r}")
+        if p.template == "wide" and (act.half or element_type(shape.weight_dtype).half or shape.residual):
+            raise ConfigError("wide-options: template wide reads fp32 rows without a residual; use template row or "
+                              "multirow (rows of up to 64 values per thread)")
         if p.template == "wide" and (p.grid_cap or p.stats != "two_pass"):
             raise ConfigError("wide-options: template wide takes no grid_cap and leaves stats at its default "
                               "(two_pass): it always merges with Chan's formula, one block per row")
@@ -144,11 +199,14 @@ class LayerNorm:
                               f"got {t}")
         if p.template != "wide":
             # a persistent block holds its next rows too
-            values = (self._slots(shape, p) * v + (2 if d % v else 0)) * (2 if p.grid_cap else 1)
+            # a persistent block holds its next rows too; a residual row is two tensors until they are added
+            unit = 2 if act.half else 1
+            values = ((self._slots(shape, p) * v + (2 * unit if d % v else 0)) * (2 if p.grid_cap else 1)
+                      * (2 if shape.residual else 1))
             if values > MAX_VALUES_PER_THREAD:
                 raise ConfigError(f"registers: template {p.template} would hold {values} floats per thread "
                                   f"(limit {MAX_VALUES_PER_THREAD}); use more threads or template wide")
-            need, cap = _registers_needed(values, v), register_cap(t * r)
+            need, cap = _registers_needed(values, v * act.itemsize // 4), register_cap(t * r)
             if need > cap:
                 raise ConfigError(f"registers: {values} floats per thread need about {need} registers, over the "
                                   f"{cap} a block of {t * r} threads leaves each; use fewer rows per block, a "
@@ -159,14 +217,21 @@ class LayerNorm:
 
     # ---- generation ----
     def kernel_name(self, shape: Shape, p: Params) -> str:
-        return (f"layernorm_{p.template}_d{shape.d}_t{p.threads}_v{p.vector}_r{p.rows_per_block}"
+        return (f"layernorm_{p.template}_d{shape.d}{self._type_tag(shape)}_t{p.threads}_v{p.vector}_r{p.rows_per_block}"
                 f"_{p.rsqrt}_{p.hint}" + ("_onepass" if p.stats == "one_pass" else "")
                 + (f"_g{p.grid_cap}" if p.grid_cap else ""))
+
+    def _type_tag(self, shape: Shape) -> str:
+        """'' for fp32 without residual (the names of every kernel tuned before dtypes), else e.g. _bf16_wf32_res."""
+        act, weight = element_type(shape.dtype), element_type(shape.weight_dtype)
+        return ((f"_{act.short}" if act != FLOAT32 else "") + (f"_w{weight.short}" if weight != act else "")
+                + ("_res" if shape.residual else ""))
 
     def context(self, shape: Shape, p: Params) -> dict[str, Any]:
         d, t, v, r = shape.d, p.threads, p.vector, p.rows_per_block
         nvec = d // v
         x_hint, y_hint, wb_hint = _HINT_SUFFIXES[p.hint]
+        act, weight = element_type(shape.dtype), element_type(shape.weight_dtype)
         return dict(
             D=d, T=t, V=v, R=r, W=t // 32, BLOCK=t * r, NVEC=nvec, S=self._slots(shape, p),
             FULL_SLOTS=nvec // t, PEEL=d % v != 0,
@@ -174,6 +239,8 @@ class LayerNorm:
             INV_D=f"{1.0 / d:.9e}f", RSQRT=p.rsqrt,
             X_HINT=x_hint, Y_HINT=y_hint, WB_HINT=wb_hint,
             X_HINT_PASS1="nc" if p.hint != "none" else "", X_HINT_PASS2=x_hint, UNROLL=4, NORM=self.norm,
+            ACT=act.c_type, XDT=act.ptx, WT=weight.c_type, WDT=weight.ptx, U=2 if act.half else 1,
+            WU=2 if weight.half else 1, RESIDUAL=shape.residual,
         )
 
     def source(self, shape: Shape, p: Params) -> Source:
@@ -207,11 +274,12 @@ class LayerNorm:
                 "dynamic_shared_bytes": launch.dynamic_shared_bytes}
 
     def slug(self, shape: Shape) -> str:
-        return f"d{shape.d}"
+        return f"d{shape.d}" + self._type_tag(shape)
 
     def shape_key(self, shape: Shape) -> str:
-        """The key of a tuned/ entry: one per (d, dtype)."""
-        return f"d={shape.d}/float32"
+        """The key of a tuned/ entry: one per (d, dtypes, residual), e.g. d=4096/bfloat16,w=float32,residual."""
+        return (f"d={shape.d}/{shape.dtype}" + (f",w={shape.weight_dtype}" if shape.weight_dtype != shape.dtype else "")
+                + (",residual" if shape.residual else ""))
 
     def check_run(self, run: dict[str, int]) -> None:
         m = run.get("m")
@@ -222,31 +290,48 @@ class LayerNorm:
         return {"M": run["m"], "eps": self.eps}
 
     def make_inputs(self, shape: Shape, run: dict[str, int], rng: np.random.Generator) -> dict[str, np.ndarray]:
+        """Each tensor in its element type's storage (dtypes: bf16 as uint16 bits)."""
         m, d = run["m"], shape.d
+        act, weight = element_type(shape.dtype), element_type(shape.weight_dtype)
         # An offset mean makes a one-pass sum-of-squares formula visibly wrong.
         offset = rng.uniform(-4, 4)
         x = rng.standard_normal((m, d), dtype=np.float32)
         x *= np.float32(rng.uniform(0.5, 3))  # in place: at M = 65536 the gate's inputs are 200 MB per check
         x += np.float32(offset)
-        return {
-            "x": x,
-            "w": rng.standard_normal(d, dtype=np.float32),
-            "b": rng.standard_normal(d, dtype=np.float32),
-        }
+        inputs = {"x": act.round(x)}
+        if shape.residual:
+            inputs["residual"] = act.round(rng.standard_normal((m, d), dtype=np.float32))
+        inputs["w"] = weight.round(rng.standard_normal(d, dtype=np.float32))
+        if self.norm == "layer":
+            inputs["b"] = weight.round(rng.standard_normal(d, dtype=np.float32))
+        return inputs
 
     def output_shapes(self, shape: Shape, run: dict[str, int]) -> dict[str, tuple[int, ...]]:
-        return {"y": (run["m"], shape.d)}
+        return {name: (run["m"], shape.d) for name in self.output_dtypes(shape)}
 
     def reference(self, shape: Shape, inputs: dict[str, np.ndarray], scalars: dict[str, int | float]) -> dict[str, np.ndarray]:
+        """float64 from the exact inputs, each output rounded to its element type (and held as float64)."""
+        act, weight = element_type(shape.dtype), element_type(shape.weight_dtype)
+        out: dict[str, np.ndarray] = {}
+        if shape.residual:  # as torch adds two tensors of the activation type: in fp32, rounded once
+            row = act.round(act.widen(inputs["x"]) + act.widen(inputs["residual"]))
+            out["residual_out"] = act.widen(row).astype(np.float64)
+            y = out["residual_out"].copy()
+        else:
+            y = act.widen(inputs["x"]).astype(np.float64)
+        self._normalize(shape, y, {k: weight.widen(inputs[k]).astype(np.float64) for k in ("w", "b") if k in inputs},
+                        float(scalars["eps"]))
+        out["y"] = y if act == FLOAT32 else act.widen(act.round(y)).astype(np.float64)
+        return {"y": out["y"], **{k: v for k, v in out.items() if k != "y"}}
+
+    def _normalize(self, shape: Shape, y: np.ndarray, weights: dict[str, np.ndarray], eps: float) -> None:
         # Two passes over the centred rows, in place on one float64 copy: the gate computes this for every
         # check, and at M = 65536 the temporaries of the plain formula cost seconds per trial.
-        y = inputs["x"].astype(np.float64)
         y -= y.mean(axis=1, keepdims=True)
         var = np.einsum("ij,ij->i", y, y)[:, None] / shape.d
-        y *= 1.0 / np.sqrt(var + float(scalars["eps"]))
-        y *= inputs["w"].astype(np.float64)
-        y += inputs["b"].astype(np.float64)
-        return {"y": y}
+        y *= 1.0 / np.sqrt(var + eps)
+        y *= weights["w"]
+        y += weights["b"]
 
     def gate_runs(self, shape: Shape, run: dict[str, int], params: Params) -> list[dict[str, int]]:
         """One row; an odd count that leaves a multirow block part-filled; and the size being tuned, capped
@@ -258,26 +343,41 @@ class LayerNorm:
         return [{"m": m} for m in dict.fromkeys((1, 37, min(run["m"], covering)))]
 
     def bytes_moved(self, shape: Shape, run: dict[str, int]) -> int:
-        """The fewest bytes a layer norm must move: x read once, y written once (w, b negligible)."""
-        return 2 * run["m"] * shape.d * 4 + 2 * shape.d * 4
+        """The fewest bytes a layer norm must move: x (and residual) read once, y (and residual_out) written
+        once, w and b read once."""
+        act, weight = element_type(shape.dtype), element_type(shape.weight_dtype)
+        rows = (4 if shape.residual else 2) * run["m"] * shape.d * act.itemsize
+        return rows + (2 if self.norm == "layer" else 1) * shape.d * weight.itemsize
 
     def contract(self, shape: Shape, p: Params) -> dict[str, Any]:
         """What code launching the emitted kernel must guarantee; M is the one size given at launch."""
         ctx = self.context(shape, p)
-        # x and y move V floats per access, and where V does not divide d each row's scalar head is worked out
-        # from the row index alone: both assume the base pointer itself is V-float aligned.
-        rows = 4 * ctx["V"]
-        # w and b are read V floats at a time only where every row's vector body starts at column 0.
-        columns = 4 if ctx["PEEL"] else 4 * ctx["V"]
-        matrix = {"dtype": "float32", "shape": ["M", shape.d],
-                  "layout": f"row-major, contiguous, row stride {shape.d} elements"}
-        vector = {"dtype": "float32", "shape": [shape.d], "layout": "contiguous"}
+        act, weight = element_type(shape.dtype), element_type(shape.weight_dtype)
+        # The rows move V elements per access, and where V does not divide d each row's head is worked out from
+        # the row index alone: every row tensor's base pointer is assumed V-element aligned.
+        rows = act.itemsize * ctx["V"]
+        # w and b are read V elements at a time only where every row's vector body starts at column 0; else a
+        # unit (one fp32, or two 16-bit elements) at a time.
+        # (at most 16: fp32 weights beside 8 bf16 elements are two 16-byte loads)
+        columns = min(16, weight.itemsize * (ctx["WU"] if ctx["PEEL"] else ctx["V"]))
+        tensors = {}
+        for arg in self.args(shape):
+            if arg.kind in ("in", "out") and arg.name in ("w", "b"):
+                tensors[arg.name] = {"dtype": arg.dtype, "shape": [shape.d], "layout": "contiguous",
+                                     "alignment_bytes": columns}
+            elif arg.kind in ("in", "out"):
+                tensors[arg.name] = {"dtype": arg.dtype, "shape": ["M", shape.d],
+                                     "layout": f"row-major, contiguous, row stride {shape.d} elements",
+                                     "alignment_bytes": rows}
+        outputs = [a.name for a in self.args(shape) if a.kind == "out"]
+        others = [name for name in tensors if name not in outputs]
+        written = " and ".join(outputs) + (" must not overlap each other or " if len(outputs) > 1 else " must not overlap ")
         return {
-            "tensors": {"y": {**matrix, "alignment_bytes": rows}, "x": {**matrix, "alignment_bytes": rows},
-                        "w": {**vector, "alignment_bytes": columns}, "b": {**vector, "alignment_bytes": columns}},
-            "aliasing": "y must not overlap x, w or b (no in-place use): every pointer is declared __restrict__",
+            "tensors": tensors,
+            "aliasing": written + ", ".join(others[:-1]) + f" or {others[-1]}"
+                        + " (no in-place use): every pointer is declared __restrict__",
             "scalars": {"M": {"meaning": "rows of x and y", "range": [1, MAX_ROWS]},
-                        "eps": {"meaning": "added to the variance before the square root", "default": self.eps}},
+                        "eps": {"meaning": self.eps_meaning, "default": self.eps}},
         }
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from mage_gen.dtypes import FLOAT32, DType
 from mage_gen.errors import ConfigError
 from mage_gen.ops.base import Arg, Launch, params_dict, params_from, public_params_from, register_cap
 from mage_gen.render import Source, render
@@ -85,7 +86,7 @@ class Matmul:
     shape_dims = ("m", "n", "k")
     run_dims: tuple[str, ...] = ()
     run_defaults: dict[str, int] = {}
-    args = (Arg("C", "out"), Arg("A", "in"), Arg("B", "in"))
+    _args = (Arg("C", "out"), Arg("A", "in"), Arg("B", "in"))
     min_arch = 80  # cp.async
 
     def shape(self, **dims: int) -> Shape:
@@ -295,8 +296,17 @@ class Matmul:
         return {"A": rng.standard_normal((shape.m, shape.k), dtype=np.float32),
                 "B": rng.standard_normal((shape.k, shape.n), dtype=np.float32)}
 
+    def args(self, shape: Shape) -> tuple[Arg, ...]:
+        return self._args
+
     def output_shapes(self, shape: Shape, run: dict[str, int]) -> dict[str, tuple[int, ...]]:
         return {"C": (shape.m, shape.n)}
+
+    def output_dtypes(self, shape: Shape) -> dict[str, DType]:
+        return {"C": FLOAT32}
+
+    def tolerance_of(self, output: str, dtype: DType) -> float:
+        return self.tolerance
 
     def reference(self, shape: Shape, inputs: dict[str, np.ndarray], scalars: dict[str, int | float]) -> dict[str, np.ndarray]:
         return {"C": inputs["A"].astype(np.float64) @ inputs["B"].astype(np.float64)}
