@@ -1,0 +1,167 @@
+"""bf16 layer norm and RMSNorm, with and without the fused residual add, on this GPU: the kernel the runtime
+dispatches to against torch (eager), torch.compile (Inductor) of the same eager code and Triton at its best
+num_warps, hot and cold, with the device copy of the same bytes timed beside each shape.
+
+Each shape uses this GPU's tuned entry for (op, d, dtypes, residual) of the size class mage_gen.dispatch picks
+for its M; with --tune-missing, a shape without one is tuned first with `mage-gen tune` (hot at an M whose
+bytes fit the L2, cold where they do not). Every kernel and peer is gated at the benched shape before it is
+timed, y and residual_out both. Writes bench/results/<gpu>/norms.json.
+
+    python bench/norms.py --tune-missing
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+from mage_gen import dispatch, gpu
+from mage_gen.measure import Bench, interleave
+from mage_gen.ops import get_op
+from mage_gen.peers import TorchSubject, make_peers
+from mage_gen.variants import build
+
+from _common import geomean, provenance, timing_method, winner_params, write_result  # bench/_common.py, beside this script
+
+SHAPES = [(4096, 768), (4096, 4096), (4096, 8192), (65536, 768), (32768, 4096), (16384, 8192)]
+OPS = ("layernorm", "rmsnorm")
+DTYPE = "bf16"
+PEERS = ("torch", "inductor", "triton")
+ROUNDS, PER_ROUND = 4, 5
+DRAM_L2S = 2  # a shape is DRAM-bound where it moves at least this many L2s of bytes
+
+
+@triton.jit
+def _copy(src, dst, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst + offsets, tl.load(src + offsets, mask=offsets < n), mask=offsets < n)
+
+
+def copy_floor(nbytes: int) -> TorchSubject:
+    """A copy kernel reading and writing nbytes / 2 bytes each: the bytes the norm must move. A kernel, not
+    torch's copy_: inside a CUDA graph that is a memcpy node, which the copy engines may serve slower."""
+    src = torch.zeros(nbytes // 8, dtype=torch.float32, device="cuda")
+    dst = torch.empty_like(src)
+    n, block = src.numel(), 4096
+    return TorchSubject("floor:copy", lambda: _copy[(triton.cdiv(n, block),)](src, dst, n, BLOCK=block, num_warps=8),
+                        {"fn": f"Triton copy of {n} float32, {block} per program, 8 warps"})
+
+
+def tune_flags(op, shape, m: int, l2_bytes: int) -> list[str]:
+    regime = dispatch.regime(op, shape, {"m": m}, l2_bytes)
+    flags = ["--d", str(shape.d), "--dtype", DTYPE, "--m", str(m), "--objective", "hot" if regime == "l2" else "cold"]
+    return flags + (["--config", "residual=true"] if shape.residual else [])
+
+
+def bench_shape(op, shape, m: int, params, device) -> dict:
+    run = {"m": m}
+    variant = build(op, shape, params, device.arch)
+    bench = Bench(op, shape, run, seed=m + shape.d)
+    kernel = bench.load(variant)
+    moved = op.bytes_moved(shape, run)
+    head = {"op": op.name, "m": m, "d": shape.d, "residual": shape.residual, "dtype": shape.dtype,
+            "kernel": variant.source.kernel_name, "params": op.params_to_dict(params), "bytes_moved": moved,
+            "regime": "dram" if moved >= DRAM_L2S * device.l2_bytes else "l2"}
+    try:
+        subject, checked = bench.checked_subject(variant, kernel, name="mage-gen")
+        if subject is None:
+            return {**head, "gate": checked.to_dict()}
+        peers, missing = make_peers(op, shape, run, subject.bound.inputs, None, check=bench.check_tensor,
+                                    inductor=True)
+        everyone = [subject, *peers, copy_floor(moved)]
+        hot = interleave(everyone, "hot", ROUNDS, PER_ROUND)
+        cold = interleave(everyone, "cold", ROUNDS, PER_ROUND)
+        subject.close()
+    finally:
+        kernel.unload()
+    result = {
+        **head, "census": {k: variant.census.to_dict()[k] for k in ("registers", "spill_bytes", "bar_sync",
+                                                                    "half_widen", "half_narrow")},
+        "gate": checked.to_dict(),
+        "timings": {name: {"hot": hot[name].to_dict(), "cold": cold[name].to_dict()} for name in hot},
+        "peer_configs": {p.name: p.config for p in peers}, "peers_missing": missing,
+    }
+    for method, table in (("hot", hot), ("cold", cold)):
+        mine = table["mage-gen"]
+        present = [name for name in PEERS if name in table]
+        best = min(present, key=lambda name: table[name].median_us) if present else None
+        result[f"{method}_ratio"] = {name: mine.median_us / table[name].median_us for name in present}
+        result[f"{method}_best_peer"] = best
+        if best:
+            result[f"{method}_ratio_to_best_peer"] = mine.median_us / table[best].median_us
+            result[f"{method}_ties_best_peer"] = mine.ties_with(table[best])
+        # the copy of the same bytes, timed the same way in the same rounds, over this kernel's time
+        result[f"{method}_fraction_of_copy"] = table["floor:copy"].median_us / mine.median_us
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tune-missing", action="store_true", help="tune a shape that has no winner in tuned/")
+    args = parser.parse_args()
+    device = gpu.open_device()
+    plan = []
+    for name in OPS:
+        op = get_op(name)
+        for residual in (False, True):
+            for m, d in SHAPES:
+                shape = op.shape(d=d, dtype=DTYPE, residual=residual)
+                params = winner_params(op, shape, device, args.tune_missing,
+                                       tune_flags(op, shape, m, device.l2_bytes), run={"m": m})
+                plan.append((op, shape, m, params))
+    rows = []
+    for op, shape, m, params in plan:
+        rows.append(bench_shape(op, shape, m, params, device))
+        r = rows[-1]
+        if "timings" in r:
+            print(f"{op.name:9} {'res' if shape.residual else '   '} {m:>5}x{shape.d:<5} {r['kernel']:54} "
+                  f"hot {r['timings']['mage-gen']['hot']['median_us']:7.2f} ({r['hot_ratio_to_best_peer']:.3f}× "
+                  f"{r['hot_best_peer']}) cold {r['timings']['mage-gen']['cold']['median_us']:7.2f} "
+                  f"({r['cold_ratio_to_best_peer']:.3f}× {r['cold_best_peer']}) copy {r['cold_fraction_of_copy']:.3f}",
+                  flush=True)
+        else:
+            print(f"{op.name} {m}x{shape.d} residual={shape.residual}: FAILED GATE {r['gate']['reason']}", flush=True)
+    timed = [r for r in rows if "timings" in r]
+    label = [f"{r['op']}{'+res' if r['residual'] else ''} {r['m']}x{r['d']}" for r in timed]
+    summary = {
+        "all_gated": len(timed) == len(rows),
+        "geomean_hot_ratio_to_best_peer": geomean([r["hot_ratio_to_best_peer"] for r in timed]),
+        "max_hot_ratio_to_best_peer": max(r["hot_ratio_to_best_peer"] for r in timed) if timed else None,
+        "max_cold_ratio_to_best_peer": max(r["cold_ratio_to_best_peer"] for r in timed) if timed else None,
+        "at_most_best_peer_hot_and_cold": {key: r["hot_ratio_to_best_peer"] <= 1.0 and r["cold_ratio_to_best_peer"] <= 1.0
+                                           for key, r in zip(label, timed)},
+        "tied_where_slower": {key: [m for m in ("hot", "cold") if r[f"{m}_ratio_to_best_peer"] > 1.0
+                                    and r[f"{m}_ties_best_peer"]] for key, r in zip(label, timed)},
+        "dram_cold_fraction_of_copy": {key: r["cold_fraction_of_copy"] for key, r in zip(label, timed)
+                                       if r["regime"] == "dram"},
+    }
+    doc = {
+        "what": "tuned mage-gen bf16 norms vs torch, Inductor and Triton (best num_warps), with and without the "
+                "fused residual add; recorded by bench/norms.py",
+        "method": {
+            "gate": "fresh inputs, NaN-poisoned fenced outputs at the op's gate sizes against the float64 reference "
+                    "rounded to bf16 (y within one bf16 ulp in relative norm, residual_out bit for bit); then M rows "
+                    "of the timing inputs, compared on the GPU; peers gated on the timing inputs the same way",
+            "dispatch": "each shape's kernel is the tuned size class mage_gen.dispatch picks for its M",
+            "peers": "torch: F.layer_norm / F.rms_norm (of x + residual, computed first, in the residual form); "
+                     "inductor: torch.compile(fullgraph=True, dynamic=False) of that eager code; triton: one "
+                     "program per row, bf16 loads, fp32 math, best num_warps of 2/4/8/16 by hot time",
+            **timing_method(ROUNDS, PER_ROUND),
+            "floor:copy": "a Triton copy kernel reading and writing bytes_moved / 2 bytes each (the bytes the norm "
+                          "reads and writes), timed like the kernels and interleaved with them",
+            "regime": f"dram where bytes moved ≥ {DRAM_L2S}× the GPU's L2",
+        },
+        **provenance(device), "shapes": rows, "summary": summary,
+    }
+    out = write_result(device, "norms.json", json.dumps(doc, indent=1) + "\n")
+    print(json.dumps(summary, indent=1))
+    print(f"wrote {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
