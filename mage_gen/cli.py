@@ -193,7 +193,7 @@ def inspect(
     k: Optional[int] = KOpt,
     template: Optional[str] = typer.Option(None, help="template (layernorm: row, multirow, wide)"),
     threads: Optional[int] = typer.Option(None, help="threads per row"),
-    vector: Optional[int] = typer.Option(None, help="floats per global access: 1, 2 or 4"),
+    vector: Optional[int] = typer.Option(None, help="bytes per global access of a row: 4, 8 or 16"),
     config: list[str] = typer.Option([], help="other parameters as KEY=VALUE[,KEY=VALUE] (residual=true: the "
                                               "fused residual form of a norm)"),
     dtype: Optional[str] = DTypeOpt, weight_dtype: Optional[str] = WeightDTypeOpt,

@@ -28,8 +28,8 @@ from mage_gen.resources import data_dir
 from mage_gen.store import load_winners, pick_winner, store_file, tuned_dir
 
 # Where a shape has no tuned entry: the first of these the op accepts (validate), in this order.
-_ROW_NORM_DEFAULTS = ([{"template": "row", "threads": t, "vector": v} for v in (4, 2, 1) for t in (128, 256, 512, 1024, 64, 32)]
-                      + [{"template": "wide", "threads": t, "vector": v} for v in (4, 1) for t in (1024, 256, 32)])
+_ROW_NORM_DEFAULTS = ([{"template": "row", "threads": t, "vector": v} for v in (16, 8, 4) for t in (128, 256, 512, 1024, 64, 32)]
+                      + [{"template": "wide", "threads": t, "vector": v} for v in (16, 4) for t in (1024, 256, 32)])
 DEFAULT_CANDIDATES = {"layernorm": _ROW_NORM_DEFAULTS, "rmsnorm": _ROW_NORM_DEFAULTS}
 
 
@@ -195,8 +195,6 @@ def _choose(op: Op, shape: Any, run: dict[str, int], device: gpu.DeviceInfo, tun
 
 def _default_params(op: Op, shape: Any) -> Any:
     for values in DEFAULT_CANDIDATES.get(op.name, [{}]):  # matmul: its default config, fitted to the shape
-        if "vector" in values:  # the candidates name fp32 widths, as a preset does: the same bytes for 16-bit
-            values = {**values, "vector": op.fit_space(shape, {"vector": (values["vector"],)})["vector"][0]}
         params = op.params_from_dict({**op.defaults(shape), **values})
         try:
             op.validate(shape, params)

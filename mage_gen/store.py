@@ -1,11 +1,12 @@
 """Tuned winners, one file per (GPU, op): tuned/<gpu slug>/<op>.json, one entry per shape key and, for an
 op sized at launch, per size class (the run size it was tuned at; mage_gen.dispatch picks among them).
 
-    {"format": 2, "op": "layernorm", "gpu": "NVIDIA H200",
+    {"format": 3, "op": "layernorm", "gpu": "NVIDIA H200",
      "entries": {"d=768/float32/m=4096": {"params": {...}, "timings": {...}, ...},
                  "d=768/float32/m=65536": {...}}}
 
-Format 1 keys had no size class (each entry was tuned at its "run"); such a file is read as format 2.
+Format 1 keys had no size class (each entry was tuned at its "run"). Up to format 2 a norm's `vector` counted
+elements (fp32 floats), since format 3 bytes. An older file is read as format 3.
 
 The tuner builds the entries; this module only checks that one carries what emit and bench need, and
 writes the file so that a reader never sees half of it. A file it cannot read is reported, never
@@ -31,7 +32,8 @@ from mage_gen.ops import Op
 from mage_gen.render import Source
 from mage_gen.timing import Timing
 
-FORMAT = 2
+FORMAT = 3
+_VECTOR_IN_ELEMENTS = ("layernorm", "rmsnorm")  # up to format 2: these ops' `vector` counted elements
 # What every entry must carry: what was built and from which template version, how it was judged and
 # timed, against whom, on which GPU, and with which tools.
 REQUIRED_KEYS = ("shape", "params", "kernel", "template", "template_hash", "objective", "timings", "peers",
@@ -274,15 +276,38 @@ def _read(path: Path, op_name: str) -> dict[str, Any]:
         raise corrupt(f"not JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise corrupt("not a JSON object")
-    if doc.get("format") not in (1, FORMAT):
+    if doc.get("format") not in (1, 2, FORMAT):
         raise corrupt(f"format {doc.get('format')!r}, expected {FORMAT}")
     if doc.get("op") != op_name:
         raise corrupt(f"op {doc.get('op')!r}, expected {op_name!r}")
     if not isinstance(doc.get("entries"), dict):
         raise corrupt("'entries' is not an object")
     if doc["format"] == 1:
-        doc = {**doc, "format": FORMAT, "entries": {_class_key(k, e): e for k, e in doc["entries"].items()}}
+        doc = {**doc, "format": 2, "entries": {_class_key(k, e): e for k, e in doc["entries"].items()}}
+    if doc["format"] == 2:
+        entries = doc["entries"]
+        if op_name in _VECTOR_IN_ELEMENTS:
+            entries = {key: _vector_in_bytes(entry) for key, entry in entries.items()}
+        doc = {**doc, "format": FORMAT, "entries": entries}
     return doc
+
+
+def _vector_in_bytes(entry: Any) -> Any:
+    """A format-2 norm entry with `vector` in bytes: its elements times their size (fp32 where unsaid)."""
+    if not isinstance(entry, dict):
+        return entry
+    size = {"bfloat16": 2, "float16": 2}.get((entry.get("shape") or {}).get("dtype", "float32"), 4)
+
+    def convert(params: Any) -> Any:
+        if isinstance(params, dict) and isinstance(params.get("vector"), int):
+            return {**params, "vector": params["vector"] * size}
+        return params
+
+    entry = {**entry, "params": convert(entry.get("params"))}
+    if isinstance(entry.get("runner_ups"), list):
+        entry["runner_ups"] = [{**r, "params": convert(r.get("params"))} if isinstance(r, dict) else r
+                               for r in entry["runner_ups"]]
+    return entry
 
 
 def _class_key(key: str, entry: Any) -> str:

@@ -45,7 +45,7 @@ def synthetic_entry():
     op = get_op("layernorm")
 
     def make(d: int = 768, params: dict | None = None, **overrides) -> dict:
-        p = op.params_from_dict(params or {"template": "row", "threads": 128, "vector": 4})
+        p = op.params_from_dict(params or {"template": "row", "threads": 128, "vector": 16})
         variant = build(op, op.shape(d=d), p, "sm_90")
         entry = {
             "shape": {"d": d},

@@ -16,7 +16,7 @@ from mage_gen.variants import Variant, build
 OP = get_op("layernorm")
 # d = 768 with 128 threads of 4-float vectors: 4 warps per row (two barriers) and a half-used last slot
 SHAPE = OP.shape(d=768)
-PARAMS = OP.params_type(template="row", threads=128, vector=4)
+PARAMS = OP.params_type(template="row", threads=128, vector=16)
 _BARRIER = 'asm volatile("bar.sync 0;" ::: "memory");'
 _STORE_GUARD = re.compile(r"if \(1 \* 128 \+ lane < r\.nvec\) \{(?=\n\s*const int col)")
 BUGS = {
@@ -61,7 +61,7 @@ def _edited(clean: Variant, edit: Callable[[str], str], arch: str) -> Variant:
 _KERNEL_ENTRY = re.compile(r'extern "C" __global__ void [^{]*\{\n')
 _LAUNCH_BOUNDS = re.compile(r"__launch_bounds__\(\d+, 1\)\s*")
 # 1024 threads a block (8 rows of 128): the register file's 65536 then leave each thread 64 registers
-MANY_THREADS = OP.params_type(template="multirow", threads=128, vector=4, rows_per_block=8)
+MANY_THREADS = OP.params_type(template="multirow", threads=128, vector=16, rows_per_block=8)
 REGISTER_FILE = 65536  # 32-bit registers one block may use, on every GPU since sm_50
 HELD_VALUES = 160  # floats the register hog keeps live at once
 

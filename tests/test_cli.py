@@ -13,7 +13,7 @@ def mage_gen(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_inspect_json_reports_the_seed_shape():
-    done = mage_gen("inspect", "layernorm", "--d", "768", "--threads", "128", "--vector", "4", "--json")
+    done = mage_gen("inspect", "layernorm", "--d", "768", "--threads", "128", "--vector", "16", "--json")
     assert done.returncode == 0, done.stderr
     doc = json.loads(done.stdout)
     census = doc["census"]
@@ -46,8 +46,8 @@ def test_variants_json_lists_only_valid_configs():
     doc = json.loads(done.stdout)
     assert doc["preset"] == "quick" and doc["rejected"] > 0 and doc["variants"]
     assert all(v["census"]["spill_bytes"] == 0 for v in doc["variants"])
-    # a row of 128 floats keeps at most 128 / vector threads busy: no variant wastes a warp
-    assert all(v["params"]["threads"] <= 128 // v["params"]["vector"] for v in doc["variants"])
+    # a row of 128 floats keeps at most 128 / (floats per access) threads busy: no variant wastes a warp
+    assert all(v["params"]["threads"] <= 128 // (v["params"]["vector"] // 4) for v in doc["variants"])
 
 
 @pytest.mark.parametrize("args, says", [
@@ -151,7 +151,7 @@ def test_the_variants_table_shows_the_rows_loads_not_a_weight_vectors():
     from mage_gen.variants import build
 
     op = get_op("layernorm")
-    variant = build(op, op.shape(d=768), op.params_from_dict({"threads": 32, "vector": 2}), "sm_90")
+    variant = build(op, op.shape(d=768), op.params_from_dict({"threads": 32, "vector": 8}), "sm_90")
     assert _loads_summary(op, op.shape(d=768), variant.census) == "x 12×v2"
 
 

@@ -14,7 +14,7 @@ OP = get_op("layernorm")
 
 
 def test_second_compile_is_a_cache_hit_with_the_same_binary():
-    source = OP.source(OP.shape(d=333), Params(threads=64, vector=1))
+    source = OP.source(OP.shape(d=333), Params(threads=64, vector=4))
     first = compile_source(source)
     second = compile_source(source)
     assert not first.from_cache and second.from_cache
@@ -22,8 +22,8 @@ def test_second_compile_is_a_cache_hit_with_the_same_binary():
 
 
 def test_cache_key_follows_source_and_arch():
-    a = OP.source(OP.shape(d=512), Params(threads=64, vector=2))
-    b = OP.source(OP.shape(d=512), Params(threads=64, vector=2, rsqrt="exact"))
+    a = OP.source(OP.shape(d=512), Params(threads=64, vector=8))
+    b = OP.source(OP.shape(d=512), Params(threads=64, vector=8, rsqrt="exact"))
     assert compile_source(a).key != compile_source(b).key
     assert compile_source(a, "sm_80").key != compile_source(a, "sm_90").key
 
@@ -135,11 +135,11 @@ def test_a_compile_whose_log_lost_the_resource_report_is_made_again_with_the_com
 
     monkeypatch.setattr(subprocess, "run", run)
     op = get_op("layernorm")
-    compiled = compile_source(op.source(op.shape(d=640), Params(threads=32, vector=4)))
+    compiled = compile_source(op.source(op.shape(d=640), Params(threads=32, vector=16)))
     assert take_census(compiled).registers > 0  # the child's report
     assert [env.get("CUDA_CACHE_DISABLE") for env in children] == ["1"]
     assert "CUDA_CACHE_DISABLE" not in os.environ  # this process's environment untouched
-    assert compile_source(op.source(op.shape(d=640), Params(threads=32, vector=4))).from_cache
+    assert compile_source(op.source(op.shape(d=640), Params(threads=32, vector=16))).from_cache
 
 
 def test_a_compile_error_in_the_child_is_the_same_one_line_error(monkeypatch, tmp_path):
@@ -147,7 +147,7 @@ def test_a_compile_error_in_the_child_is_the_same_one_line_error(monkeypatch, tm
 
     monkeypatch.setenv("MAGE_GEN_CACHE", str(tmp_path))
     op = get_op("layernorm")
-    source = op.source(op.shape(d=640), Params(threads=32, vector=4))
+    source = op.source(op.shape(d=640), Params(threads=32, vector=16))
     broken = dataclasses.replace(source, text=source.text + "\nthis is not C++;\n")
     with pytest.raises(CompileError, match="NVRTC could not compile layernorm_row_d640"):
         compile_module._nvrtc_without_compute_cache(broken, "sm_90", True)

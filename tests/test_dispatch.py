@@ -75,7 +75,7 @@ def test_entry_keys_carry_the_size_class_only_for_ops_sized_at_launch():
 
 def store_two_classes(tmp_path, synthetic_entry):
     small = synthetic_entry(run={"m": 4096})
-    large = synthetic_entry(params={"template": "row", "threads": 96, "vector": 2}, run={"m": 65536})
+    large = synthetic_entry(params={"template": "row", "threads": 96, "vector": 8}, run={"m": 65536})
     save_entry("layernorm", H200, entry_key(LN, D768, {"m": 4096}), small, directory=tmp_path)
     save_entry("layernorm", H200, entry_key(LN, D768, {"m": 65536}), large, directory=tmp_path)
 
@@ -92,16 +92,34 @@ def test_winners_of_every_class_and_the_one_a_launch_takes(tmp_path, synthetic_e
     assert load_winner(LN, D768, H200, {"m": 12000}, tmp_path, l2_bytes=1 << 30).params.threads == 128
 
 
-def test_a_format_1_file_is_read_with_size_classes_and_rewritten_as_format_2(tmp_path, synthetic_entry):
+def older(entry: dict, elements: int) -> dict:
+    """An entry as formats 1 and 2 wrote it: a norm's vector counted elements."""
+    return {**entry, "params": {**entry["params"], "vector": elements}}
+
+
+def test_a_format_1_file_is_read_with_size_classes_and_rewritten_as_format_3(tmp_path, synthetic_entry):
     path = tmp_path / "h200" / "layernorm.json"
     path.parent.mkdir()
     path.write_text(json.dumps({"format": 1, "op": "layernorm", "gpu": H200,
-                                "entries": {"d=768/float32": synthetic_entry(run={"m": 4096})}}))
-    assert [w.key for w in load_winners(LN, D768, H200, tmp_path)] == ["d=768/float32/m=4096"]
+                                "entries": {"d=768/float32": older(synthetic_entry(run={"m": 4096}), 4)}}))
+    (winner,) = load_winners(LN, D768, H200, tmp_path)
+    assert winner.key == "d=768/float32/m=4096" and winner.params.vector == 16  # 4 floats: 16 bytes
     save_entry("layernorm", H200, "d=1024/float32/m=4096", synthetic_entry(d=1024, run={"m": 4096}),
                directory=tmp_path)
     doc = json.loads(path.read_text())
-    assert doc["format"] == 2 and sorted(doc["entries"]) == ["d=1024/float32/m=4096", "d=768/float32/m=4096"]
+    assert doc["format"] == 3 and sorted(doc["entries"]) == ["d=1024/float32/m=4096", "d=768/float32/m=4096"]
+    assert doc["entries"]["d=768/float32/m=4096"]["params"]["vector"] == 16
+
+
+def test_a_format_2_entry_of_16_bit_rows_gets_its_vector_in_bytes(tmp_path, synthetic_entry):
+    from mage_gen.store import _read
+
+    path = tmp_path / "rmsnorm.json"
+    entry = {**older(synthetic_entry(run={"m": 4096}), 8), "shape": {"d": 768, "dtype": "bfloat16"},
+             "runner_ups": [{"kernel": "k", "params": {"vector": 4}}]}
+    path.write_text(json.dumps({"format": 2, "op": "rmsnorm", "gpu": H200, "entries": {"d=768/bfloat16/m=4096": entry}}))
+    migrated = _read(path, "rmsnorm")["entries"]["d=768/bfloat16/m=4096"]
+    assert migrated["params"]["vector"] == 16 and migrated["runner_ups"][0]["params"]["vector"] == 8
 
 
 def test_the_committed_winners_are_keyed_by_size_class():

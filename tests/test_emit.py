@@ -123,12 +123,12 @@ def test_launch_json_says_when_shared_memory_needs_an_opt_in(tmp_path, params, n
 
 
 @pytest.mark.parametrize("d, params, rows, columns", [
-    (768, Params(vector=1), 4, 4),
-    (768, Params(vector=2), 8, 8),
-    (768, Params(vector=4), 16, 16),
+    (768, Params(vector=4), 4, 4),
+    (768, Params(vector=8), 8, 8),
+    (768, Params(vector=16), 16, 16),
     # V does not divide d: rows are peeled relative to a V-aligned base, w and b read one float at a time
-    (1001, Params(vector=2, threads=32), 8, 4),
-    (1001, Params(template="wide", vector=4, threads=32), 16, 4),
+    (1001, Params(vector=8, threads=32), 8, 4),
+    (1001, Params(template="wide", vector=16, threads=32), 16, 4),
 ])
 def test_layernorm_alignment_follows_the_vector_width(d, params, rows, columns):
     tensors = OP.contract(OP.shape(d=d), params)["tensors"]
@@ -181,7 +181,7 @@ def test_header_carries_the_provenance_and_contract(tmp_path, synthetic_entry):
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 @pytest.mark.parametrize("d, params", [
     (768, Params()),
-    (1000, Params(template="multirow", threads=32, vector=4, rows_per_block=4, hint="stream")),
+    (1000, Params(template="multirow", threads=32, vector=16, rows_per_block=4, hint="stream")),
     (65536, Params(template="wide", threads=256, rsqrt="exact", hint="none")),
 ])
 def test_emitted_source_builds_with_plain_nvcc(tmp_path, synthetic_entry, d, params):
@@ -300,7 +300,7 @@ def test_header_compiles_links_and_launches_as_the_formula_says(tmp_path):
 def test_a_bf16_residual_kernel_is_emitted_with_its_types_and_its_header_compiles(tmp_path):
     rms = get_op("rmsnorm")
     shape = rms.shape(d=4096, dtype="bf16", weight_dtype="fp32", residual=True)
-    params = rms.params_from_dict({"threads": 256, "vector": 8})
+    params = rms.params_from_dict({"threads": 256, "vector": 16})
     paths = emit(rms, shape, params, "sm_90", tmp_path, None)
     doc = json.loads((tmp_path / "rmsnorm_d4096_bf16_wfp32_res.launch.json").read_text())
     assert [(a["name"], a["type"]) for a in doc["args"]] == [
@@ -382,7 +382,7 @@ def test_cli_emits_every_size_class_or_the_one_that_serves_m(tmp_path, synthetic
     tuned = tmp_path / "tuned"
     save_entry("layernorm", "NVIDIA H200", "d=768/float32/m=4096", synthetic_entry(run={"m": 4096}), directory=tuned)
     save_entry("layernorm", "NVIDIA H200", "d=768/float32/m=65536",
-               synthetic_entry(params={"template": "row", "threads": 96, "vector": 2}, run={"m": 65536}),
+               synthetic_entry(params={"template": "row", "threads": 96, "vector": 8}, run={"m": 65536}),
                directory=tuned)
     done = mage_gen_cli("emit", "layernorm", "--d", "768", "-o", str(tmp_path / "all"), tuned=tuned,
                         gpu="NVIDIA H200")

@@ -79,7 +79,7 @@ def test_a_short_study_through_the_worker_finds_a_winner(worker, tmp_path):
 
     op = planted.OP
     space = Space(op="layernorm", preset="corner", axes=(
-        ("template", ("row",)), ("threads", (64, 128)), ("vector", (2, 4)), ("rows_per_block", (1,)),
+        ("template", ("row",)), ("threads", (64, 128)), ("vector", (8, 16)), ("rows_per_block", (1,)),
         ("rsqrt", ("approx",)), ("hint", ("nc",)), ("stats", ("two_pass",)), ("grid_cap", (0,))))
     result = tune(op, planted.SHAPE, RUN, space, worker, storage=f"sqlite:///{tmp_path / 'study.db'}")
     assert result.measured == 4 and not result.failed, result.failed

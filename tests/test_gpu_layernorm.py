@@ -31,7 +31,7 @@ def test_drawn_variants_match_the_float64_reference(device, stream, data):
 
 def test_timings_are_positive_and_grow_with_the_problem(device):
     shape = OP.shape(d=1024)
-    variant = build(OP, shape, OP.params_type(template="row", threads=128, vector=4), device.arch)
+    variant = build(OP, shape, OP.params_type(template="row", threads=128, vector=16), device.arch)
     small = Bench(OP, shape, {"m": 1024}, seed=1).evaluate(variant)
     large = Bench(OP, shape, {"m": 65536}, seed=2).evaluate(variant)
     for ev in (small, large):

@@ -14,12 +14,12 @@ pytestmark = pytest.mark.gpu
 LN, RMS = get_op("layernorm"), get_op("rmsnorm")
 
 CASES = [
-    (LN, dict(d=768, dtype="bf16"), {"threads": 96, "vector": 8}),
-    (LN, dict(d=4096, dtype="bf16", residual=True), {"threads": 256, "vector": 8}),
-    (RMS, dict(d=4096, dtype="fp16", weight_dtype="fp32", residual=True), {"threads": 256, "vector": 8, "grid_cap": 528}),
-    (RMS, dict(d=1002, dtype="bf16", residual=True), {"template": "multirow", "threads": 64, "vector": 4,
+    (LN, dict(d=768, dtype="bf16"), {"threads": 96, "vector": 16}),
+    (LN, dict(d=4096, dtype="bf16", residual=True), {"threads": 256, "vector": 16}),
+    (RMS, dict(d=4096, dtype="fp16", weight_dtype="fp32", residual=True), {"threads": 256, "vector": 16, "grid_cap": 528}),
+    (RMS, dict(d=1002, dtype="bf16", residual=True), {"template": "multirow", "threads": 64, "vector": 8,
                                                       "rows_per_block": 2}),
-    (LN, dict(d=8192, residual=True), {"threads": 512, "vector": 4}),
+    (LN, dict(d=8192, residual=True), {"threads": 512, "vector": 16}),
 ]
 
 

@@ -30,7 +30,7 @@ def test_torch_and_triton_rmsnorm_pass_the_gate_beside_a_variant(device):
 
     shape, run = OP.shape(d=4096), {"m": 4096}
     bench = Bench(OP, shape, run, seed=3)
-    evaluation = bench.evaluate(build(OP, shape, OP.params_from_dict({"template": "row", "threads": 256, "vector": 4}),
+    evaluation = bench.evaluate(build(OP, shape, OP.params_from_dict({"template": "row", "threads": 256, "vector": 16}),
                                       device.arch))
     assert evaluation.gate.passed, evaluation.gate.reason
     peers, missing = make_peers(OP, shape, run, bench.timing_inputs(), None, check=bench.check_tensor)

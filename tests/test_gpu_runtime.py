@@ -209,7 +209,7 @@ def test_a_kernel_checked_at_a_dram_sized_run_sees_the_timing_inputs():
 
     shape, run = LN.shape(d=4096), {"m": 32768}
     bench = Bench(LN, shape, run, seed=9)
-    variant = build(LN, shape, LN.params_from_dict({"threads": 64, "vector": 4}), bench.device.arch)
+    variant = build(LN, shape, LN.params_from_dict({"threads": 64, "vector": 16}), bench.device.arch)
     kernel = bench.load(variant)
     try:
         for _ in range(3):

@@ -103,7 +103,7 @@ def test_a_matmul_passes_and_one_wait_less_is_reported_as_a_stale_read(params, w
 
 def test_a_deleted_barrier_is_reported_as_a_race():
     shape = LN.shape(d=1024)
-    params = LnParams(template="row", threads=128, vector=4)  # 4 warps per row: partial sums via shared
+    params = LnParams(template="row", threads=128, vector=16)  # 4 warps per row: partial sums via shared
     variant = build(LN, shape, params, "sm_90")
     lines = variant.compiled.ptx.splitlines(keepends=True)
     first = next(i for i, line in enumerate(lines) if line.strip() == "bar.sync 0;")
@@ -473,7 +473,7 @@ def test_fma_matches_exact_rounding_on_random_operands():
 
 def test_worst_error_is_the_gates_relative_error():
     shape = LN.shape(d=64)
-    variant = build(LN, shape, LnParams(template="row", threads=32, vector=2), "sm_90")
+    variant = build(LN, shape, LnParams(template="row", threads=32, vector=8), "sm_90")
     result = interp.run_once(LN, shape, variant, {"m": 2}, np.random.default_rng(3))
     err = relative_error(result["outputs"]["y"], result["reference"]["y"])  # measure's, as the GPU gate uses
     assert 0 < err <= LN.tolerance

@@ -20,7 +20,7 @@ params_strategy = st.builds(
     Params,
     template=st.sampled_from(TEMPLATES),
     threads=st.one_of(st.integers(1, 33).map(lambda k: 32 * k), st.integers(1, 1100)),
-    vector=st.sampled_from([1, 2, 3, 4, 8]),
+    vector=st.sampled_from([4, 8, 16, 1, 2, 12, 32]),  # bytes; the last four are refused
     rows_per_block=st.sampled_from([1, 2, 3, 4, 8, 16]),
     rsqrt=st.sampled_from(RSQRT_MODES),
     hint=st.sampled_from(HINTS),
@@ -47,11 +47,12 @@ def check_built(d: int, v) -> None:
     assert c.spill_bytes == 0 and c.stack_bytes == 0, c
     assert c.shared_bytes == launch.static_shared_bytes
     assert launch.threads == params.threads * params.rows_per_block
-    width = {1: "scalar", 2: "v2", 4: "v4"}[params.vector]
+    floats = params.vector // 4
+    width = {1: "scalar", 2: "v2", 4: "v4"}[floats]
     body_loads = c.loads_of("x", tail=False)
     assert body_loads > 0 and c.loads_of("x", width, tail=False) == body_loads, c.global_loads
     assert c.stores_of("y", width, tail=False) == c.stores_of("y", tail=False) > 0
-    assert (c.loads_of("x", tail=True) > 0) == (d % params.vector != 0 and params.vector > 1)
+    assert (c.loads_of("x", tail=True) > 0) == (d % floats != 0 and floats > 1)
     assert c.passes_over("x") == (2 if params.template == "wide" else 1)
     assert (c.rsqrt_approx > 0) == (params.rsqrt == "approx")
     warps_per_row = params.threads // 32
@@ -70,7 +71,7 @@ def check_built(d: int, v) -> None:
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(d=st.one_of(st.integers(1, 4096), st.integers(1, 65536)), params=params_strategy)
-@example(d=13217, params=Params(template="multirow", threads=224, vector=1, rows_per_block=2))  # once spilled
+@example(d=13217, params=Params(template="multirow", threads=224, vector=4, rows_per_block=2))  # once spilled
 def test_drawn_variants_are_rejected_by_a_rule_or_compile_as_asked(d, params):
     check_variant(d, params)
 
@@ -102,7 +103,7 @@ def test_a_ninth_of_the_full_preset_at_d768_beyond_quick_compiles_as_asked():
 
 
 def test_seed_shape_holds_one_quad_and_one_masked_quad_per_thread():
-    v = build(OP, OP.shape(d=768), Params(template="row", threads=128, vector=4), "sm_90")
+    v = build(OP, OP.shape(d=768), Params(template="row", threads=128, vector=16), "sm_90")
     assert v.census.loads_of("x", "v4") == 2
     assert "if (1 * 128 + lane < r.nvec)" in v.source.text  # the second quad is masked
     assert v.census.passes_over("x") == 1
@@ -112,12 +113,12 @@ def test_seed_shape_holds_one_quad_and_one_masked_quad_per_thread():
     (4096, Params(threads=100), "threads-multiple-of-32"),
     (4096, Params(threads=2048), "threads-range"),
     (4096, Params(vector=3), "vector-width"),
-    (2, Params(vector=4, threads=32), "vector-width"),
+    (2, Params(vector=16, threads=32), "vector-width"),
     (4096, Params(template="row", rows_per_block=4), "rows-per-block"),
     (4096, Params(template="multirow", threads=64, rows_per_block=1), "rows-per-block"),
     (4096, Params(template="multirow", threads=256, rows_per_block=8), "block-size"),
-    (4096, Params(template="row", threads=32, vector=1), "registers"),
-    (2048, Params(template="row", threads=1024, vector=4), "idle-threads"),
+    (4096, Params(template="row", threads=32, vector=4), "registers"),
+    (2048, Params(template="row", threads=1024, vector=16), "idle-threads"),
     (4096, Params(template="fast"), "template"),
     (4096, Params(rsqrt="fast"), "rsqrt"),
     (4096, Params(hint="sticky"), "hint"),

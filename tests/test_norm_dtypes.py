@@ -74,7 +74,7 @@ def test_a_shape_that_cannot_be_generated_is_refused(dims, message):
 
 
 @pytest.mark.parametrize("dims, values, rule", [
-    ({"dtype": "bf16"}, {"vector": 1}, "vector-width"),
+    ({"dtype": "bf16"}, {"vector": 2}, "vector-width"),  # bytes: one bf16 is never moved alone
     ({"dtype": "bf16"}, {"template": "wide", "threads": 256}, "wide-options"),
     ({"residual": True}, {"template": "wide", "threads": 256}, "wide-options"),
 ])
@@ -86,7 +86,7 @@ def test_rules_for_16_bit_rows_and_the_residual(dims, values, rule):
 def test_a_preset_gives_16_bit_rows_the_same_bytes_per_access():
     shape = LN.shape(d=4096, dtype="bf16")
     valid, _ = expand(LN, shape, load_space(LN, "quick", shape))
-    assert {p.vector for p in valid} == {4, 8}  # quick's 8 and 16 bytes
+    assert {p.vector for p in valid} == {8, 16}  # bytes: 4 and 8 bf16
 
 
 def test_the_gate_allows_one_ulp_of_bf16_and_not_two():
@@ -113,7 +113,7 @@ def test_the_residual_reference_rounds_the_sum_before_normalizing():
 
 def test_a_bf16_residual_kernel_moves_what_it_should():
     shape = RMS.shape(d=512, dtype="bf16", residual=True)
-    v = build(RMS, shape, RMS.params_from_dict({"threads": 64, "vector": 8}), "sm_90")
+    v = build(RMS, shape, RMS.params_from_dict({"threads": 64, "vector": 16}), "sm_90")
     c = v.census
     for tensor in ("x", "residual", "w"):
         assert c.loads_of(tensor, "v4") == 1 and c.loads_of(tensor) == 1, c.global_loads
@@ -148,7 +148,7 @@ def test_the_cli_takes_dtypes_and_the_residual_form():
         return subprocess.run([sys.executable, "-m", "mage_gen", *args], capture_output=True, text=True, timeout=300)
 
     shown = mage_gen("inspect", "rmsnorm", "--d", "1024", "--dtype", "bf16", "--json",
-                     "--config", "residual=true,threads=128,vector=8")
+                     "--config", "residual=true,threads=128,vector=16")
     assert shown.returncode == 0, shown.stderr
     doc = json.loads(shown.stdout)
     assert doc["shape"] == {"d": 1024, "dtype": "bfloat16", "weight_dtype": "bfloat16", "residual": True}

@@ -27,7 +27,7 @@ def test_a_default_config_exists_for_every_row_length_up_to_16384():
 def test_misaligned_or_null_addresses_are_refused_before_a_launch():
     shape = LN.shape(d=768)
     alignments = {name: t["alignment_bytes"] for name, t in
-                  LN.contract(shape, LN.params_from_dict({"vector": 4}))["tensors"].items()}
+                  LN.contract(shape, LN.params_from_dict({"vector": 16}))["tensors"].items()}
     assert alignments["x"] == 16
     good = {"y": 0x10000, "x": 0x20000, "w": 0x30000, "b": 0x40000}
     runtime.check_alignment("layernorm", alignments, good)

@@ -51,7 +51,7 @@ def test_round_trip(tmp_path, synthetic_entry):
     assert path == tmp_path / "h200" / "layernorm.json"
     assert load_entry("layernorm", H200, KEY, directory=tmp_path) == json.loads(json.dumps(entry))
     doc = json.loads(path.read_text())
-    assert doc["format"] == 2 and doc["op"] == "layernorm" and doc["gpu"] == H200 and list(doc["entries"]) == [KEY]
+    assert doc["format"] == 3 and doc["op"] == "layernorm" and doc["gpu"] == H200 and list(doc["entries"]) == [KEY]
     # readable diffs: sorted keys, two-space indent
     assert path.read_text() == json.dumps(doc, indent=2, sort_keys=True) + "\n"
     assert leftovers(tmp_path) == []
@@ -80,7 +80,7 @@ def test_saving_one_shape_keeps_the_others(tmp_path, synthetic_entry):
 @pytest.mark.parametrize("content, says", [
     ("{ not json", "not JSON"),
     ("[1, 2]", "not a JSON object"),
-    ('{"format": 3, "op": "layernorm", "entries": {}}', "format 3"),
+    ('{"format": 4, "op": "layernorm", "entries": {}}', "format 4"),
     ('{"format": 1, "op": "softmax", "entries": {}}', "op 'softmax'"),
     ('{"format": 1, "op": "layernorm", "entries": []}', "'entries' is not an object"),
 ])
@@ -121,7 +121,7 @@ def test_missing_entry_names_the_file_and_what_it_has(tmp_path, synthetic_entry)
 
 def test_stale_entry_is_refused_only_when_asked(tmp_path, synthetic_entry):
     save_entry("layernorm", H200, KEY, synthetic_entry(source_hash="0123456789abcdef"), directory=tmp_path)
-    current = OP.source(OP.shape(d=768), Params(template="row", threads=128, vector=4))
+    current = OP.source(OP.shape(d=768), Params(template="row", threads=128, vector=16))
     assert load_entry("layernorm", H200, KEY, directory=tmp_path)["source_hash"] == "0123456789abcdef"
     with pytest.raises(StoreError, match="its kernel has changed since it was tuned") as raised:
         load_entry("layernorm", H200, KEY, current=current, directory=tmp_path)

@@ -88,13 +88,13 @@ def corner(space: Space, name: str, **axes) -> Space:
 def small(recorded) -> Space:
     """Small enough to search exhaustively, with combinations the op rejects (multirow with one row, ...)."""
     return corner(recorded, "small", template=("row", "multirow", "wide"), threads=(64, 128, 192),
-                  vector=(2, 4), rows_per_block=(1, 2))
+                  vector=(8, 16), rows_per_block=(1, 2))
 
 
 @pytest.fixture(scope="session")
 def wide(recorded) -> Space:
     """Six wide variants: the v2 and v4 ones differ in registers, and within each the thread count differs."""
-    return corner(recorded, "wide", template=("wide",), threads=(32, 64, 128), vector=(2, 4))
+    return corner(recorded, "wide", template=("wide",), threads=(32, 64, 128), vector=(8, 16))
 
 
 def write_derived(tmp_path: Path, doc: dict) -> Path:
@@ -159,7 +159,7 @@ def test_recording_is_of_an_h200_and_answers_every_test_space(recording_doc, rec
 
 def test_a_config_the_recording_lacks_is_a_failed_trial_not_a_guess(recording_path, recorded, tmp_path):
     # one_pass statistics were added to the space after the recording was made: ReplayBackend has no figure
-    space = corner(QUICK, "with-unrecorded", threads=(64, 128), vector=(2,), stats=("two_pass", "one_pass"))
+    space = corner(QUICK, "with-unrecorded", threads=(64, 128), vector=(8,), stats=("two_pass", "one_pass"))
     valid, _ = expand(OP, SHAPE, space)
     unrecorded = [k for k in kernels(valid) if k.endswith("_onepass")]
     assert unrecorded and len(valid) <= EXHAUSTIVE_LIMIT

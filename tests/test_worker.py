@@ -133,7 +133,7 @@ def test_a_whole_search_through_the_worker_matches_one_in_process(tmp_path):
     recording = Path(__file__).parent / "fixtures" / "layernorm_trials_h200_d768_m4096.json"
     op = get_op("layernorm")
     space = Space(op="layernorm", preset="corner", axes=(
-        ("template", ("row",)), ("threads", (64, 96, 128)), ("vector", (2, 4)), ("rows_per_block", (1,)),
+        ("template", ("row",)), ("threads", (64, 96, 128)), ("vector", (8, 16)), ("rows_per_block", (1,)),
         ("rsqrt", ("approx",)), ("hint", ("nc",)), ("stats", ("two_pass",)), ("grid_cap", (0,))))
     shape, run = op.shape(d=768), {"m": 4096}
     isolated = IsolatedBackend(functools.partial(ReplayBackend, recording), first_timeout_s=60)

@@ -34,12 +34,10 @@ from mage_gen.ops.base import Arg, Launch, params_dict, params_from, public_para
 from mage_gen.render import Source, render
 
 TEMPLATES = ("row", "multirow", "wide")
-VECTOR_WIDTHS = (1, 2, 4)
+VECTOR_WIDTHS = (4, 8, 16)  # bytes per global access of a row
 RSQRT_MODES = ("approx", "exact")
 STATS = ("two_pass", "one_pass")
 HINTS = ("none", "nc", "stream")
-# elements per access of a 16-bit row: 4, 8 or 16 bytes (a single 16-bit element is never loaded alone)
-HALF_VECTOR_WIDTHS = (2, 4, 8)
 MAX_D = 1 << 20
 # The kernels count rows and row groups in int: (M + R - 1) / R and a group's last row must not overflow.
 MAX_ROWS = 2**31 - 1024
@@ -65,7 +63,7 @@ class Shape:
 class Params:
     template: str = "row"
     threads: int = 128  # threads per row
-    vector: int = 4  # floats per global access
+    vector: int = 16  # bytes per global access of a row: 4, 8 or 16 (4 floats, or 8 bf16, at 16)
     rows_per_block: int = 1
     rsqrt: str = "approx"
     hint: str = "nc"  # none: plain loads; nc: read-only path; stream: x not kept in L1, y evict-first
@@ -74,7 +72,7 @@ class Params:
 
     def label(self) -> str:
         extra = (" one_pass" if self.stats == "one_pass" else "") + (f" grid≤{self.grid_cap}" if self.grid_cap else "")
-        return (f"{self.template} T{self.threads} V{self.vector} R{self.rows_per_block} "
+        return (f"{self.template} T{self.threads} V{self.vector}B R{self.rows_per_block} "
                 f"{self.rsqrt} {self.hint}{extra}")
 
 
@@ -145,16 +143,13 @@ class LayerNorm:
         return {}
 
     def fit_space(self, shape: Shape, axes: dict[str, tuple]) -> dict[str, tuple]:
-        """A preset names fp32 vector widths; a 16-bit row takes twice the elements: the same bytes per access."""
-        if not element_type(shape.dtype).half or "vector" not in axes:
-            return axes
-        return {**axes, "vector": tuple(2 * v for v in axes["vector"])}
+        return axes
 
     def params_to_dict(self, params: Params) -> dict[str, Any]:
         return params_dict(params)
 
     def validate(self, shape: Shape, p: Params) -> None:
-        d, t, v = shape.d, p.threads, p.vector
+        d, t = shape.d, p.threads
         if p.template not in TEMPLATES:
             raise ConfigError(f"template: unknown layernorm template {p.template!r}; use one of {', '.join(TEMPLATES)}")
         if not isinstance(t, int) or t % 32:
@@ -162,13 +157,13 @@ class LayerNorm:
         if not 32 <= t <= 1024:
             raise ConfigError(f"threads-range: threads per row must be 32..1024, got {t}")
         act = element_type(shape.dtype)
-        if act.half and v not in HALF_VECTOR_WIDTHS:
-            raise ConfigError(f"vector-width: a {act.short} row moves {HALF_VECTOR_WIDTHS} elements per access "
-                              f"(4, 8 or 16 bytes), got {v}")
-        if not act.half and v not in VECTOR_WIDTHS:
-            raise ConfigError(f"vector-width: vector must be one of {VECTOR_WIDTHS} floats, got {v}")
+        if p.vector not in VECTOR_WIDTHS:
+            raise ConfigError(f"vector-width: vector is the bytes of one access of a row, one of {VECTOR_WIDTHS}, "
+                              f"got {p.vector}")
+        v = self._elements(shape, p)
         if v > d:
-            raise ConfigError(f"vector-width: vector={v} is wider than the row (d={d}); use vector 1")
+            raise ConfigError(f"vector-width: vector={p.vector} bytes is {v} {act.short} elements, more than the row "
+                              f"(d={d}); use vector 4")
         if p.rsqrt not in RSQRT_MODES:
             raise ConfigError(f"rsqrt: rsqrt must be one of {RSQRT_MODES}, got {p.rsqrt!r}")
         if p.hint not in HINTS:
@@ -198,7 +193,6 @@ class LayerNorm:
             raise ConfigError(f"idle-threads: a row of {d // v} vectors keeps at most {useful} threads busy, "
                               f"got {t}")
         if p.template != "wide":
-            # a persistent block holds its next rows too
             # a persistent block holds its next rows too; a residual row is two tensors until they are added
             unit = 2 if act.half else 1
             values = ((self._slots(shape, p) * v + (2 * unit if d % v else 0)) * (2 if p.grid_cap else 1)
@@ -206,18 +200,24 @@ class LayerNorm:
             if values > MAX_VALUES_PER_THREAD:
                 raise ConfigError(f"registers: template {p.template} would hold {values} floats per thread "
                                   f"(limit {MAX_VALUES_PER_THREAD}); use more threads or template wide")
-            need, cap = _registers_needed(values, v * act.itemsize // 4), register_cap(t * r)
+            need, cap = _registers_needed(values, p.vector // 4), register_cap(t * r)
             if need > cap:
                 raise ConfigError(f"registers: {values} floats per thread need about {need} registers, over the "
                                   f"{cap} a block of {t * r} threads leaves each; use fewer rows per block, a "
                                   "wider vector, more threads per row or template wide")
 
+    def _elements(self, shape: Shape, p: Params) -> int:
+        """Elements per access of a row: `vector` bytes of the activation type."""
+        return p.vector // element_type(shape.dtype).itemsize
+
     def _slots(self, shape: Shape, p: Params) -> int:
-        return math.ceil((shape.d // p.vector) / p.threads)
+        return math.ceil((shape.d // self._elements(shape, p)) / p.threads)
 
     # ---- generation ----
     def kernel_name(self, shape: Shape, p: Params) -> str:
-        return (f"layernorm_{p.template}_d{shape.d}{self._type_tag(shape)}_t{p.threads}_v{p.vector}_r{p.rows_per_block}"
+        # _v counts elements per access (v4: 16 bytes of fp32), as before `vector` was given in bytes, so
+        # that every kernel keeps its name and its tuned entries stay current
+        return (f"layernorm_{p.template}_d{shape.d}{self._type_tag(shape)}_t{p.threads}_v{self._elements(shape, p)}_r{p.rows_per_block}"
                 f"_{p.rsqrt}_{p.hint}" + ("_onepass" if p.stats == "one_pass" else "")
                 + (f"_g{p.grid_cap}" if p.grid_cap else ""))
 
@@ -228,7 +228,7 @@ class LayerNorm:
                 + ("_res" if shape.residual else ""))
 
     def context(self, shape: Shape, p: Params) -> dict[str, Any]:
-        d, t, v, r = shape.d, p.threads, p.vector, p.rows_per_block
+        d, t, v, r = shape.d, p.threads, self._elements(shape, p), p.rows_per_block
         nvec = d // v
         x_hint, y_hint, wb_hint = _HINT_SUFFIXES[p.hint]
         act, weight = element_type(shape.dtype), element_type(shape.weight_dtype)
