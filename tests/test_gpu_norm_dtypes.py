@@ -20,6 +20,8 @@ CASES = [
     (RMS, dict(d=1002, dtype="bf16", residual=True), {"template": "multirow", "threads": 64, "vector": 8,
                                                       "rows_per_block": 2}),
     (LN, dict(d=8192, residual=True), {"threads": 512, "vector": 16}),
+    (LN, dict(d=131074, dtype="bf16", residual=True), {"template": "wide", "threads": 512, "vector": 16}),
+    (RMS, dict(d=100002, dtype="fp16", weight_dtype="fp32"), {"template": "wide", "threads": 1024, "vector": 8}),
 ]
 
 

@@ -75,12 +75,24 @@ def test_a_shape_that_cannot_be_generated_is_refused(dims, message):
 
 @pytest.mark.parametrize("dims, values, rule", [
     ({"dtype": "bf16"}, {"vector": 2}, "vector-width"),  # bytes: one bf16 is never moved alone
-    ({"dtype": "bf16"}, {"template": "wide", "threads": 256}, "wide-options"),
-    ({"residual": True}, {"template": "wide", "threads": 256}, "wide-options"),
+    ({"dtype": "bf16", "residual": True}, {"threads": 32, "vector": 16}, "registers"),  # x and residual held
 ])
 def test_rules_for_16_bit_rows_and_the_residual(dims, values, rule):
     with pytest.raises(ConfigError, match=f"^{rule}:"):
-        LN.validate(LN.shape(d=768, **dims), LN.params_from_dict(values))
+        LN.validate(LN.shape(d=4096, **dims), LN.params_from_dict(values))
+
+
+@pytest.mark.parametrize("op", [LN, RMS], ids=["layernorm", "rmsnorm"])
+def test_a_wide_bf16_residual_row_is_read_once_and_read_back_from_residual_out(op):
+    # d = 1026: the 8-element body leaves a head and tail of 16-bit pairs on alternate rows
+    shape = op.shape(d=1026, dtype="bf16", residual=True)
+    v = build(op, shape, op.params_from_dict({"template": "wide", "threads": 96, "vector": 16}), "sm_90")
+    c = v.census
+    assert c.passes_over("x") == c.passes_over("residual") == c.passes_over("residual_out") == 1
+    assert c.loads_of("residual_out") > 0 and "ld.global.nc" not in "".join(
+        line for line in v.compiled.ptx.splitlines() if "tensor=residual_out" in line)
+    result = interp.gate(op, shape, v, {"m": 3}, np.random.default_rng(2))
+    assert result.passed, result.reason
 
 
 def test_a_preset_gives_16_bit_rows_the_same_bytes_per_access():

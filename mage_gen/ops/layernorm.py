@@ -172,9 +172,6 @@ class LayerNorm:
             raise ConfigError(f"stats: stats must be one of {STATS}, got {p.stats!r}")
         if not isinstance(p.grid_cap, int) or p.grid_cap < 0:
             raise ConfigError(f"grid-cap: grid_cap is 0 (a block per row group) or a block count, got {p.grid_cap!r}")
-        if p.template == "wide" and (act.half or element_type(shape.weight_dtype).half or shape.residual):
-            raise ConfigError("wide-options: template wide reads fp32 rows without a residual; use template row or "
-                              "multirow (rows of up to 64 values per thread)")
         if p.template == "wide" and (p.grid_cap or p.stats != "two_pass"):
             raise ConfigError("wide-options: template wide takes no grid_cap and leaves stats at its default "
                               "(two_pass): it always merges with Chan's formula, one block per row")
