@@ -20,8 +20,10 @@ CASES = [
     (RMS, dict(d=1002, dtype="bf16", residual=True), {"template": "multirow", "threads": 64, "vector": 8,
                                                       "rows_per_block": 2}),
     (LN, dict(d=8192, residual=True), {"threads": 512, "vector": 16}),
-    (LN, dict(d=131074, dtype="bf16", residual=True), {"template": "wide", "threads": 512, "vector": 16}),
-    (RMS, dict(d=100002, dtype="fp16", weight_dtype="fp32"), {"template": "wide", "threads": 1024, "vector": 8}),
+    # rows too wide for registers, at few rows: the gate's float64 reference is computed on the host
+    (LN, dict(d=131074, dtype="bf16", residual=True), {"template": "wide", "threads": 512, "vector": 16, "m": 37}),
+    (RMS, dict(d=100002, dtype="fp16", weight_dtype="fp32"), {"template": "wide", "threads": 1024, "vector": 8,
+                                                              "m": 37}),
 ]
 
 
@@ -30,7 +32,8 @@ def test_16_bit_and_residual_variants_and_their_peers_pass_the_gate(device, op, 
     pytest.importorskip("torch")
     from mage_gen.peers import make_peers
 
-    shape, run = op.shape(**dims), {"m": 4097}
+    values = dict(values)
+    shape, run = op.shape(**dims), {"m": values.pop("m", 4097)}
     bench = Bench(op, shape, run, seed=5)
     evaluation = bench.evaluate(build(op, shape, op.params_from_dict(values), device.arch))
     assert evaluation.gate.passed, evaluation.gate.reason
