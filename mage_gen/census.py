@@ -49,6 +49,9 @@ class Census:
     rsqrt_approx: int = 0
     half_widen: int = 0  # cvt.f32.bf16 / cvt.f32.f16: one 16-bit element to f32
     half_narrow: int = 0  # cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32: two f32 rounded into one 32-bit pair
+    mma: dict[str, int] = field(default_factory=dict)  # 'm16n8k16.bf16' -> mma.sync instructions
+    ldmatrix: dict[str, int] = field(default_factory=dict)  # 'x4', 'x2.trans' -> ldmatrix instructions
+    tf32_round: int = 0  # cvt.rna.tf32.f32: an f32 rounded to tf32 (3xTF32 splits each operand with it)
 
     @property
     def spill_bytes(self) -> int:
@@ -96,6 +99,9 @@ def _resource(log: str, name: str, pattern: str, kernel: str) -> int:
     return 0  # no shared memory or barriers: ptxas leaves them out
 
 
+_TF32_ROUND = re.compile(r"\bcvt\.rna(?:\.satfinite)?\.tf32\.f32\b")
+_MMA = re.compile(r"\bmma\.sync\.aligned\.(m\d+n\d+k\d+)\.row\.col\.f32\.(\w+)\.\w+\.f32\b")
+_LDMATRIX = re.compile(r"\bldmatrix\.sync\.aligned\.m8n8\.(x[124])(\.trans)?\.")
 _HALF_WIDEN = re.compile(r"\bcvt\.f32\.b?f16\b")
 _HALF_NARROW = re.compile(r"\bcvt\.rn\.b?f16x2\.f32\b")
 
@@ -115,12 +121,19 @@ def take_census(compiled: Compiled) -> Census:
     stores: dict[str, Counter] = {}
     passes: dict[str, set[int]] = {}
     counts: Counter = Counter()
+    mma: Counter = Counter()
+    ldmatrix: Counter = Counter()
     cp_async: Counter = Counter()
     waits: Counter = Counter()
     for raw in compiled.ptx.splitlines():
         # an inline-asm block holds several instructions on one line: conversions are counted wherever they are
         counts["half_widen"] += len(_HALF_WIDEN.findall(raw))
         counts["half_narrow"] += len(_HALF_NARROW.findall(raw))
+        counts["tf32_round"] += len(_TF32_ROUND.findall(raw))
+        for shape, kind in _MMA.findall(raw):
+            mma[f"{shape}.{kind}"] += 1
+        for count, trans in _LDMATRIX.findall(raw):
+            ldmatrix[count + trans] += 1
         line = _GUARD.sub("", raw.strip())
         if not line or line.startswith("//") or line.startswith("."):
             continue
@@ -158,4 +171,5 @@ def take_census(compiled: Compiled) -> Census:
         wait_groups=dict(sorted(waits.items())), bar_sync=counts["bar_sync"],
         shfl_sync=counts["shfl_sync"], rsqrt_approx=counts["rsqrt_approx"],
         half_widen=counts["half_widen"], half_narrow=counts["half_narrow"],
+        mma=dict(sorted(mma.items())), ldmatrix=dict(sorted(ldmatrix.items())), tf32_round=counts["tf32_round"],
     )

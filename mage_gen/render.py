@@ -70,6 +70,25 @@ def _inputs(regs: Sequence[str], kind: str = "f32") -> str:
     return ", ".join(f'"{_constraint(kind)}"({r})' for r in regs)
 
 
+def _braced(count: int, start: int = 0) -> str:
+    """{%start, ..., %start+count-1}: a register list that PTX wants in braces whatever its length (mma,
+    ldmatrix)."""
+    return "{" + ", ".join(f"%{start + i}" for i in range(count)) + "}"
+
+
+def _inouts(regs: Sequence[str], kind: str = "f32") -> str:
+    return ", ".join(f'"+{_constraint(kind)}"({r})' for r in regs)
+
+
+_MMA_SHAPES = {"bf16": "m16n8k16", "f16": "m16n8k16", "tf32": "m16n8k8"}
+
+
+def _mma_shape(dtype: str) -> str:
+    if dtype not in _MMA_SHAPES:
+        raise jinja2.TemplateRuntimeError(f"mma inputs are one of {sorted(_MMA_SHAPES)}, got {dtype!r}")
+    return _MMA_SHAPES[dtype]
+
+
 def _ptx_tag(tag: str) -> str:
     return f" // tensor={tag}" if tag else ""
 
@@ -129,6 +148,9 @@ def environment() -> jinja2.Environment:
         outputs=_outputs,
         inputs=_inputs,
         ptx_tag=_ptx_tag,
+        braced=_braced,
+        inouts=_inouts,
+        mma_shape=_mma_shape,
         ld_hint=lambda h: _hint(_LOAD_HINTS, h),
         st_hint=lambda h: _hint(_STORE_HINTS, h),
         cp_level=_cp_level,

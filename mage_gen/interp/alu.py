@@ -334,6 +334,14 @@ def _cvt(dec, st, parts):
     dtyp, styp = types
     ddt, sdt = np.dtype(DTYPES[dtyp]), np.dtype(DTYPES[styp])
     mods = [p for p in parts[1:] if p not in TYPES]
+    if dtyp == "tf32":
+        if styp != "f32":
+            raise UnknownInstruction(f"cvt from .{styp} to .tf32 not implemented")
+        _unsupported(parts, {"rna"})
+        if "rna" not in mods:
+            raise UnknownInstruction("cvt to .tf32 is implemented with .rna only")
+        a = dec.src(st.operands[1], np.float32)
+        return _emit(dec, st.operands[0], lambda r: fp.f32_to_tf32_rna(_full(a(r))))
     if {"bf16", "bf16x2", "f16x2"} & {dtyp, styp} or (dtyp == "f16" and styp == "f32") or (styp == "f16" and dtyp == "f32"):
         _unsupported(parts, {"rn"})
         return _cvt_half(dec, st, dtyp, styp, "rn" if "rn" in mods else None)

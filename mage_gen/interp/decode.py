@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from mage_gen.interp import alu, memops
+from mage_gen.interp import alu, memops, tensor
 from mage_gen.interp.errors import InterpError, UnknownInstruction
 from mage_gen.interp.parse import Entry, parse
 from mage_gen.interp.program import BAR, BRA, EXIT, OP, Decoder, Instr, Program
 
-_BUILDERS = {**alu.BUILDERS, **memops.BUILDERS}
+_BUILDERS = {**alu.BUILDERS, **memops.BUILDERS, **tensor.BUILDERS}
 
 
 def _control(dec: Decoder, st, parts) -> tuple[int, int]:

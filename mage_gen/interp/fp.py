@@ -80,3 +80,18 @@ def f32_to_f16(x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         bits = x.astype(np.float16).view(np.uint16)
     return np.where(np.isnan(x), CANONICAL_HALF_NAN, bits).astype(np.uint16)
+
+
+def f32_to_tf32_rna(x: np.ndarray) -> np.ndarray:
+    """cvt.rna.tf32.f32: x rounded to 10 explicit mantissa bits, ties away from zero, as a .b32 whose low 13
+    bits are zero. Adding half of the dropped range to the magnitude's bits and truncating rounds ties away;
+    a carry out of the mantissa lands in the exponent, as it should. NaN stays a NaN."""
+    x = np.asarray(x, dtype=np.float32)
+    bits = x.view(np.uint32)
+    rounded = (bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)
+    return np.where(np.isnan(x), np.uint32(0x7FFFE000), rounded).astype(np.uint32)
+
+
+def tf32_operand(bits: np.ndarray) -> np.ndarray:
+    """What an mma's .tf32 operand is: the register's upper 19 bits, the lower 13 ignored."""
+    return (np.asarray(bits, dtype=np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from mage_gen.interp.errors import InterpError
 
 _TYPE_SIZES = {"pred": 1, "b8": 1, "u8": 1, "s8": 1, "b16": 2, "u16": 2, "s16": 2, "f16": 2, "bf16": 2,
-               "b32": 4, "u32": 4, "s32": 4, "f32": 4, "bf16x2": 4, "f16x2": 4, "b64": 8, "u64": 8, "s64": 8,
+               "b32": 4, "u32": 4, "s32": 4, "f32": 4, "bf16x2": 4, "f16x2": 4, "tf32": 4, "b64": 8, "u64": 8, "s64": 8,
                "f64": 8}
 
 

@@ -18,7 +18,7 @@ OP, BRA, BAR, EXIT = 0, 1, 2, 3  # instruction kinds the warp loop dispatches on
 # as do the packed pairs bf16x2 and f16x2.
 DTYPES = {"pred": np.bool_, "b8": np.uint8, "u8": np.uint8, "s8": np.int8, "b16": np.uint16, "u16": np.uint16,
           "s16": np.int16, "f16": np.float16, "bf16": np.uint16, "b32": np.uint32, "u32": np.uint32,
-          "s32": np.int32, "f32": np.float32, "bf16x2": np.uint32, "f16x2": np.uint32, "b64": np.uint64,
+          "s32": np.int32, "f32": np.float32, "bf16x2": np.uint32, "f16x2": np.uint32, "tf32": np.uint32, "b64": np.uint64,
           "u64": np.uint64, "s64": np.int64, "f64": np.float64}
 SPECIALS = ("%tid.x", "%tid.y", "%tid.z", "%ntid.x", "%ntid.y", "%ntid.z", "%ctaid.x", "%ctaid.y", "%ctaid.z",
             "%nctaid.x", "%nctaid.y", "%nctaid.z", "%laneid", "%warpid")
