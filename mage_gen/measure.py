@@ -147,10 +147,11 @@ def check_outputs(op: Op, shape: Any, bound: Bound) -> tuple[float, str]:
     outputs, complaints = bound.outputs()
     if complaints:
         return float("inf"), "; ".join(complaints)
-    return compare_outputs(op, outputs, op.reference(shape, bound.inputs, op.scalars(shape, bound.run)))
+    return compare_outputs(op, shape, outputs, op.reference(shape, bound.inputs, op.scalars(shape, bound.run)))
 
 
-def compare_outputs(op: Op, outputs: dict[str, np.ndarray], reference: dict[str, np.ndarray]) -> tuple[float, str]:
+def compare_outputs(op: Op, shape: Any, outputs: dict[str, np.ndarray],
+                    reference: dict[str, np.ndarray]) -> tuple[float, str]:
     """The gate's verdict on outputs, wherever they were computed: (relative error, reason it failed or '');
     any NaN fails."""
     worst = 0.0
@@ -161,7 +162,7 @@ def compare_outputs(op: Op, outputs: dict[str, np.ndarray], reference: dict[str,
                                   "unwritten or computed NaN")
         err = relative_error(out, ref)
         worst = max(worst, err)
-        tolerance = op.tolerance_of(name, of_storage(out.dtype))
+        tolerance = op.tolerance_of(shape, name, of_storage(out.dtype))
         if not err <= tolerance:
             return err, f"{name} relative error {err:.3g} > tolerance {tolerance:g}"
     return worst, ""
@@ -200,9 +201,9 @@ class DeviceReference:
 
     _BLOCK = 256
 
-    def __init__(self, reference: dict[str, np.ndarray], dtypes: dict[str, DType]):
-        """dtypes: each output's element type, as the kernel writes it."""
-        self.dtypes = dtypes
+    def __init__(self, reference: dict[str, np.ndarray], dtypes: dict[str, DType], tolerances: dict[str, float]):
+        """dtypes: each output's element type, as the kernel writes it; tolerances: the op's for each output."""
+        self.dtypes, self.tolerances = dtypes, tolerances
         self.sizes = {name: int(ref.size) for name, ref in reference.items()}
         self.buffers: dict[str, gpu.Buffer] = {}
         self._sums, self._bad = gpu.Buffer(16), gpu.Buffer(8)
@@ -210,16 +211,16 @@ class DeviceReference:
             self.buffers[name] = gpu.Buffer(ref.size * 8)
             self.buffers[name].upload(np.ascontiguousarray(ref, dtype=np.float64))
 
-    def compare(self, op: Op, bound: Bound, stream: gpu.Stream) -> tuple[float, str]:
+    def compare(self, bound: Bound, stream: gpu.Stream) -> tuple[float, str]:
         """(relative error, reason it failed or ''), as compare_outputs judges: a written fence or any NaN or
         infinite output fails."""
         complaints = bound.fence_complaints()
         if complaints:
             return float("inf"), "; ".join(complaints)
-        return self.compare_at(op, {name: bound.buffers[name].ptr + GUARD_BYTES for name in self.buffers},
+        return self.compare_at({name: bound.buffers[name].ptr + GUARD_BYTES for name in self.buffers},
                                stream)
 
-    def compare_at(self, op: Op, outputs: dict[str, int], stream: gpu.Stream) -> tuple[float, str]:
+    def compare_at(self, outputs: dict[str, int], stream: gpu.Stream) -> tuple[float, str]:
         """The same verdict on outputs at the given device addresses (a peer's tensors), written and synced."""
         worst = 0.0
         blocks = max(1, min(-(-max(self.sizes.values()) // self._BLOCK), 8 * gpu.open_device().sms))
@@ -238,7 +239,7 @@ class DeviceReference:
                 return float("inf"), f"{name} has {bad} NaN or infinite values: unwritten or computed NaN"
             err = float(np.sqrt(diff2 / ref2)) if ref2 else float(np.sqrt(diff2))
             worst = max(worst, err)
-            tolerance = op.tolerance_of(name, self.dtypes[name])
+            tolerance = self.tolerances[name]
             if not err <= tolerance:
                 return err, f"{name} relative error {err:.3g} > tolerance {tolerance:g}"
         return worst, ""
@@ -360,9 +361,10 @@ class Bench:
         """The float64 reference of the timing inputs, computed once and kept on the GPU."""
         if self._timing_reference is None:
             inputs = self.timing_inputs()
+            dtypes = self.op.output_dtypes(self.shape)
             self._timing_reference = DeviceReference(
-                self.op.reference(self.shape, inputs, self.op.scalars(self.shape, self.run)),
-                self.op.output_dtypes(self.shape))
+                self.op.reference(self.shape, inputs, self.op.scalars(self.shape, self.run)), dtypes,
+                {name: self.op.tolerance_of(self.shape, name, dtype) for name, dtype in dtypes.items()})
         return self._timing_reference
 
     def subject(self, variant: Any, kernel: gpu.Kernel, name: str | None = None) -> KernelSubject:
@@ -382,7 +384,7 @@ class Bench:
         expected = self.op.output_dtypes(self.shape)[name].name
         if str(tensor.dtype).removeprefix("torch.") != expected:
             return float("inf"), f"{name} is {tensor.dtype}, not {expected}"
-        return self.timing_reference().compare_at(self.op, {name: tensor.data_ptr()}, self.stream)
+        return self.timing_reference().compare_at({name: tensor.data_ptr()}, self.stream)
 
     def checked_subject(self, variant: Any, kernel: gpu.Kernel, name: str | None = None
                         ) -> tuple[KernelSubject | None, GateResult]:
@@ -396,7 +398,7 @@ class Bench:
             subject.bound.poison(self.stream)
             subject.bound.enqueue(self.stream.handle)
             self.stream.synchronize()
-            err, reason = self.timing_reference().compare(self.op, subject.bound, self.stream)
+            err, reason = self.timing_reference().compare(subject.bound, self.stream)
         except BaseException:
             subject.close()
             raise

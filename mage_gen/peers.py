@@ -297,7 +297,7 @@ def make_peers(op: Op, shape: Any, run: dict[str, int], inputs: dict[str, np.nda
                 else:
                     host = tensor.detach().cpu()
                     host = host.view(torch.int16).numpy().view(np.uint16) if host.dtype == torch.bfloat16 else host.numpy()
-                    e, why = compare_outputs(op, {name: host}, {name: reference[name]})
+                    e, why = compare_outputs(op, shape, {name: host}, {name: reference[name]})
                 err, reason = max(err, e), reason or why
             if not reason:
                 subject.config["gate_error"] = err

@@ -105,11 +105,11 @@ def test_the_gate_allows_one_ulp_of_bf16_and_not_two():
     bits = BFLOAT16.round(np.array([1.5, -2.25, 3.0], np.float32))
     ref = BFLOAT16.widen(bits).astype(np.float64)
     one_ulp, two_ulp = bits + np.uint16(1), bits + np.uint16(2)  # every element one (two) steps further from 0
-    assert compare_outputs(LN, {"y": one_ulp}, {"y": ref})[1] == ""
-    assert "relative error" in compare_outputs(LN, {"y": two_ulp}, {"y": ref})[1]
+    assert compare_outputs(LN, LN.shape(d=4, dtype="bf16"), {"y": one_ulp}, {"y": ref})[1] == ""
+    assert "relative error" in compare_outputs(LN, LN.shape(d=4, dtype="bf16"), {"y": two_ulp}, {"y": ref})[1]
     nan = np.array([0x7FC0, 0x3FC0], np.uint16)  # bf16 NaN, 1.5
-    assert "NaN" in compare_outputs(LN, {"y": nan}, {"y": ref})[1]
-    assert LN.tolerance_of("residual_out", BFLOAT16) == 0.0  # x + residual is bit for bit torch's
+    assert "NaN" in compare_outputs(LN, LN.shape(d=4, dtype="bf16"), {"y": nan}, {"y": ref})[1]
+    assert LN.tolerance_of(LN.shape(d=8, dtype="bf16", residual=True), "residual_out", BFLOAT16) == 0.0  # x + residual is bit for bit torch's
 
 
 def test_the_residual_reference_rounds_the_sum_before_normalizing():

@@ -69,7 +69,7 @@ def gate(op, shape: Any, variant: Any, run_sizes: dict[str, int], rng: np.random
             result = run_once(op, shape, variant, gate_run, rng)
         except InterpError as exc:
             return GateResult(False, f"{gate_run}: {exc}", float("inf"), errors)
-        err, reason = compare_outputs(op, result["outputs"], result["reference"])
+        err, reason = compare_outputs(op, shape, result["outputs"], result["reference"])
         errors[key] = err
         if reason:
             return GateResult(False, f"{gate_run}: {reason}", err, errors)

@@ -128,7 +128,7 @@ class LayerNorm:
     def output_dtypes(self, shape: Shape) -> dict[str, DType]:
         return {a.name: element_type(a.dtype) for a in self.args(shape) if a.kind == "out"}
 
-    def tolerance_of(self, output: str, dtype: DType) -> float:
+    def tolerance_of(self, shape: Shape, output: str, dtype: DType) -> float:
         if output == "residual_out":
             return 0.0
         return self.tolerance if dtype == FLOAT32 else 2 * dtype.unit_roundoff + self.tolerance

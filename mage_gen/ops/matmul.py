@@ -305,7 +305,7 @@ class Matmul:
     def output_dtypes(self, shape: Shape) -> dict[str, DType]:
         return {"C": FLOAT32}
 
-    def tolerance_of(self, output: str, dtype: DType) -> float:
+    def tolerance_of(self, shape: Shape, output: str, dtype: DType) -> float:
         return self.tolerance
 
     def reference(self, shape: Shape, inputs: dict[str, np.ndarray], scalars: dict[str, int | float]) -> dict[str, np.ndarray]:
