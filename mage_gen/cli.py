@@ -243,6 +243,10 @@ def inspect(
     ]
     if c.half_widen or c.half_narrow:
         rows.append(("16-bit cvt (widen / narrow)", f"{c.half_widen} / {c.half_narrow}"))
+    if c.mma or c.ldmatrix or c.tf32_round:
+        rows += [("mma.sync (shape.type: n)", ", ".join(f"{k}: {n}" for k, n in c.mma.items()) or "–"),
+                 ("ldmatrix (x: n)", ", ".join(f"{k}: {n}" for k, n in c.ldmatrix.items()) or "–"),
+                 ("cvt.rna.tf32", str(c.tf32_round))]
     for key, value in rows:
         table.add_row(key, value)
     out.print(table)

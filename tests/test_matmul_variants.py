@@ -55,7 +55,7 @@ def check_variant(m: int, n: int, k: int, p: Params) -> None:
     v = build(OP, shape, p, "sm_90")
     c, launch = v.census, OP.geometry(shape, p, {})
     assert c.spill_bytes == 0 and c.stack_bytes == 0, (p.label(), c.registers)
-    assert c.shared_bytes == 0 and launch.dynamic_shared_bytes == OP.shared_bytes(p)
+    assert c.shared_bytes == 0 and launch.dynamic_shared_bytes == OP.shared_bytes(shape, p)
     assert launch.threads == (p.bm // p.tm) * (p.bn // p.tn)
     assert launch.grid == (-(-n // p.bn), -(-m // p.bm), 1)
     a_copy = 4 if p.a_layout == "transposed" else p.a_width
@@ -89,7 +89,7 @@ def test_every_sixth_quick_variant_with_tails_compiles_without_spills():
 def test_seed_kernel_is_one_point_of_the_space():
     shape = OP.shape(m=1024, n=1024, k=1024)
     v = build(OP, shape, SEED, "sm_90")
-    assert OP.shared_bytes(SEED) == 33792
+    assert OP.shared_bytes(OP.shape(m=1024, n=1024, k=1024), SEED) == 33792
     assert OP.geometry(shape, SEED, {}).threads == 256
     assert set(v.census.cp_async) == {4, 16}
     assert v.census.wait_groups[1] == 1  # one wait_group(1) in the K loop: one per K step

@@ -138,7 +138,7 @@ def test_a_bf16_residual_kernel_moves_what_it_should():
 DRAWN_TYPES = st.sampled_from([("bf16", None), ("fp16", None), ("bf16", "fp32"), ("fp16", "fp32"), ("fp32", None)])
 
 
-@settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_drawn_16_bit_and_residual_variants_pass_the_gate_on_the_cpu(data):
     op = data.draw(st.sampled_from([LN, RMS]), label="op")

@@ -81,6 +81,32 @@ class Launch:
         return self.block[0] * self.block[1] * self.block[2]
 
 
+class TiledProduct:
+    """The launch of a matrix product whose sizes are all fixed at generation: a block per bm×bn tile of C
+    (params bm, bn, threads; the op gives shared_bytes), no run size, no scalars."""
+
+    name: str
+
+    def shared_bytes(self, shape: Any, p: Any) -> int:
+        raise NotImplementedError
+
+    def geometry(self, shape: Any, p: Any, run: dict[str, int]) -> Launch:
+        return Launch(grid=(-(-shape.n // p.bn), -(-shape.m // p.bm), 1), block=(p.threads, 1, 1),
+                      dynamic_shared_bytes=self.shared_bytes(shape, p), static_shared_bytes=0)
+
+    def launch_formula(self, shape: Any, p: Any) -> dict[str, Any]:
+        launch = self.geometry(shape, p, {})
+        return {"grid": list(launch.grid), "block": list(launch.block),
+                "dynamic_shared_bytes": launch.dynamic_shared_bytes}
+
+    def check_run(self, run: dict[str, int]) -> None:
+        if run:
+            raise ConfigError(f"run: {self.name} takes every size at generation (--m --n --k), not {sorted(run)}")
+
+    def scalars(self, shape: Any, run: dict[str, int]) -> dict[str, int | float]:
+        return {}
+
+
 @dataclass(frozen=True)
 class Arg:
     """One kernel parameter, in launch order. kind: 'out' | 'in' (buffers of `dtype` elements), 'i32', 'f32'."""

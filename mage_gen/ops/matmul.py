@@ -17,7 +17,7 @@ import numpy as np
 
 from mage_gen.dtypes import FLOAT32, DType
 from mage_gen.errors import ConfigError
-from mage_gen.ops.base import Arg, Launch, params_dict, params_from, public_params_from, register_cap
+from mage_gen.ops.base import Arg, TiledProduct, params_dict, params_from, public_params_from, register_cap
 from mage_gen.render import Source, render
 
 MAX_SHARED_BYTES = 227 * 1024  # the opt-in limit per block on sm_90; smaller GPUs refuse at launch
@@ -79,7 +79,7 @@ def _widest_copy(*extents: int) -> int:
     return next(width for width in (16, 8, 4) if all(e % (width // 4) == 0 for e in extents))
 
 
-class Matmul:
+class Matmul(TiledProduct):
     name = "matmul"
     tolerance = 1e-4  # fp32 FMA lands near 1e-6 here; TF32 would land near 3e-4 and fail
     params_type = Params
@@ -174,7 +174,7 @@ class Matmul:
             if chunks % threads and threads % chunks:
                 raise ConfigError(f"tile-copy: a row of the {tensor} tile is {chunks} copies; it must divide "
                                   f"{threads} threads or be a multiple of them; use power-of-two tile sizes")
-        if (need := self.shared_bytes(p)) > MAX_SHARED_BYTES:
+        if (need := self.shared_bytes(shape, p)) > MAX_SHARED_BYTES:
             raise ConfigError(f"shared-memory: {p.buffers} stages need {need} bytes, over the {MAX_SHARED_BYTES} a "
                               "block can have; use fewer buffers or a smaller tile")
         copies = self._copies_per_thread(p)
@@ -212,7 +212,7 @@ class Matmul:
         a_rows = p.bk if p.a_layout == "transposed" else p.bm
         return a_stride, a_rows * a_stride, p.bk * (p.bn + p.b_pad)
 
-    def shared_bytes(self, p: Params) -> int:
+    def shared_bytes(self, shape: Shape, p: Params) -> int:
         _, a_stage, b_stage = self._strides(p)
         return p.buffers * (a_stage + b_stage) * 4
 
@@ -269,28 +269,11 @@ class Matmul:
         self.validate(shape, p)
         return render("matmul/tiled.cu.j2", self.context(shape, p), self.kernel_name(shape, p), p)
 
-    # ---- launch ----
-    def geometry(self, shape: Shape, p: Params, run: dict[str, int]) -> Launch:
-        return Launch(grid=(-(-shape.n // p.bn), -(-shape.m // p.bm), 1), block=(p.threads, 1, 1),
-                      dynamic_shared_bytes=self.shared_bytes(p), static_shared_bytes=0)
-
-    def launch_formula(self, shape: Shape, p: Params) -> dict[str, Any]:
-        launch = self.geometry(shape, p, {})
-        return {"grid": list(launch.grid), "block": list(launch.block),
-                "dynamic_shared_bytes": launch.dynamic_shared_bytes}
-
-    def check_run(self, run: dict[str, int]) -> None:
-        if run:
-            raise ConfigError(f"run: matmul takes every size at generation (--m --n --k), not {sorted(run)}")
-
     def slug(self, shape: Shape) -> str:
         return f"m{shape.m}_n{shape.n}_k{shape.k}"
 
     def shape_key(self, shape: Shape) -> str:
         return f"m={shape.m},n={shape.n},k={shape.k}/float32"
-
-    def scalars(self, shape: Shape, run: dict[str, int]) -> dict[str, int | float]:
-        return {}
 
     def make_inputs(self, shape: Shape, run: dict[str, int], rng: np.random.Generator) -> dict[str, np.ndarray]:
         return {"A": rng.standard_normal((shape.m, shape.k), dtype=np.float32),

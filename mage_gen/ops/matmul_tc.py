@@ -1,0 +1,245 @@
+"""Matrix product on the tensor cores, mma.sync from PTX: C = A·B, row-major, A M×K, B K×N, C fp32.
+
+precision (a field of the shape: it decides what is computed):
+  bf16  A and B are bf16 in memory; m16n8k16 mma, fp32 accumulation.
+  tf32  A and B are fp32 in memory, rounded to tf32 (cvt.rna) as they leave shared memory; m16n8k8 mma.
+
+One template, `mma`: a BM×BN block tile of warps_m × warps_n warps, walked along K in BK steps through
+`stages` shared-memory buffers that 4-byte cp.async copies fill (zero-filled past M, N and K, so tails
+need no other care than guarded stores). A warp owns a (BM/warps_m) × (BN/warps_n) tile of m16n8
+accumulators; bf16 fragments come from shared memory by ldmatrix (A: .x4, B: .x2.trans), tf32 fragments by
+scalar loads. `pad` elements after each shared-memory row move each row's start to other banks.
+
+The gate's tolerance (tolerance_of), relative norm against float64 of the exact inputs:
+  bf16  products of bf16 values are exact in fp32, so the error is fp32 accumulation over K: at most
+        about K·2⁻²⁴ relative, and in norm far less; 2⁻²⁴·K + 1e-6 bounds it for any K here.
+  tf32  each input keeps 11 significant bits (unit roundoff 2⁻¹¹), so each product is within 2·2⁻¹¹ of
+        the exact one; 4·2⁻¹¹ bounds the norm, with the fp32 accumulation on top.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mage_gen.dtypes import BFLOAT16, FLOAT32, DType
+from mage_gen.errors import ConfigError
+from mage_gen.ops.base import Arg, TiledProduct, params_dict, params_from, public_params_from, register_cap
+from mage_gen.render import Source, render
+
+PRECISIONS = ("bf16", "tf32")
+MAX_DIM = 1 << 16
+MAX_THREADS = 256
+MAX_SHARED_BYTES = 227 * 1024  # the opt-in limit per block on sm_90
+_K_STEP = {"bf16": 16, "tf32": 8}  # K of one mma
+_ELEMENT = {"bf16": BFLOAT16, "tf32": FLOAT32}  # of A and B in memory
+_ACCUMULATORS_MAX = 64  # floats of C a thread holds; at 128 (a 64×64 warp tile) ptxas spilled
+# test-only pipeline bugs the gate must reject: the multiply reads the stage one ahead of the tile it waited
+# for, or waits for one copy group fewer than that tile needs
+PLANTED_BUGS = ("", "stage_off_by_one", "loose_wait")
+_HIDDEN = frozenset({"plant"})
+
+
+@dataclass(frozen=True)
+class Shape:
+    m: int
+    n: int
+    k: int
+    precision: str = "bf16"
+
+
+@dataclass(frozen=True)
+class Params:
+    bm: int = 64
+    bn: int = 64
+    bk: int = 32
+    warps_m: int = 2
+    warps_n: int = 2
+    stages: int = 2
+    pad: int = 8  # elements after each shared-memory row of A and of B
+    plant: str = ""  # a deliberate pipeline bug, for the tests of the gate only
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_m * self.warps_n
+
+    def label(self) -> str:
+        return (f"{self.bm}x{self.bn}x{self.bk} warps{self.warps_m}x{self.warps_n} s{self.stages} pad{self.pad}"
+                + (f" PLANTED {self.plant}" if self.plant else ""))
+
+
+class MatmulTC(TiledProduct):
+    name = "matmul_tc"
+    tolerance = 1e-5  # unused: the bound depends on precision and K (tolerance_of)
+    params_type = Params
+    shape_dims = ("m", "n", "k")
+    shape_options = ("precision",)  # --config precision=tf32
+    run_dims: tuple[str, ...] = ()
+    run_defaults: dict[str, int] = {}
+    min_arch = 80  # cp.async, mma.sync with bf16 and tf32
+
+    # ---- shapes and params ----
+    def shape(self, m: Any = None, n: Any = None, k: Any = None, precision: str = "bf16") -> Shape:
+        for name, value in (("m", m), ("n", n), ("k", k)):
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_DIM:
+                raise ConfigError(f"{name}-range: {name} must be a whole number in 1..{MAX_DIM}, got {value!r}; "
+                                  f"give it as --{name}")
+        if precision not in PRECISIONS:
+            raise ConfigError(f"precision: one of {', '.join(PRECISIONS)}, got {precision!r}")
+        if precision == "bf16" and (k % 2 or n % 2):
+            raise ConfigError(f"divisibility: bf16 rows are copied two elements (4 bytes) at a time, so K and N must "
+                              f"be even, got K={k}, N={n}; pad the matrices")
+        return Shape(m, n, k, precision)
+
+    def params_from_dict(self, values: dict[str, Any]) -> Params:
+        return params_from(Params, self.name, values, hidden=_HIDDEN)
+
+    def params_from_user(self, values: dict[str, Any]) -> Params:
+        return public_params_from(Params, self.name, values, _HIDDEN)
+
+    def defaults(self, shape: Shape) -> dict[str, Any]:
+        return {}
+
+    def fit_space(self, shape: Shape, axes: dict[str, tuple]) -> dict[str, tuple]:
+        return axes
+
+    def params_to_dict(self, params: Params) -> dict[str, Any]:
+        return params_dict(params, hidden=_HIDDEN)
+
+    def validate(self, shape: Shape, p: Params) -> None:
+        for name in ("bm", "bn", "bk", "warps_m", "warps_n", "stages"):
+            value = getattr(p, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"tile: {name} must be a positive whole number, got {value!r}")
+        if not isinstance(p.pad, int) or p.pad < 0:
+            raise ConfigError(f"pad: pad is a whole number of elements, got {p.pad!r}")
+        step = _K_STEP[shape.precision]
+        if p.bk % step:
+            raise ConfigError(f"k-step: a {shape.precision} mma takes K in steps of {step}; bk={p.bk} must be a multiple")
+        wm, wn = p.bm // p.warps_m, p.bn // p.warps_n
+        if p.bm % p.warps_m or p.bn % p.warps_n or wm % 16 or wn % 8:
+            raise ConfigError(f"warp-tile: {p.warps_m}×{p.warps_n} warps over a {p.bm}×{p.bn} tile give each "
+                              f"{p.bm / p.warps_m:g}×{p.bn / p.warps_n:g}; it must be whole multiples of 16×8 (the "
+                              "m16n8 accumulator)")
+        if p.threads > MAX_THREADS:
+            raise ConfigError(f"threads: {p.warps_m}×{p.warps_n} warps are {p.threads} threads, over {MAX_THREADS}")
+        if not 1 <= p.stages <= 4:
+            raise ConfigError(f"stages: 1 to 4 shared-memory stages, got {p.stages}")
+        size = _ELEMENT[shape.precision].itemsize
+        # ldmatrix and the 4-byte copies want rows that start on 16 (bf16) or 4 (tf32) byte boundaries
+        align = 16 if shape.precision == "bf16" else 4
+        if ((p.bk + p.pad) * size) % align or ((p.bn + p.pad) * size) % align:
+            raise ConfigError(f"pad: shared-memory rows of {p.bk}+{p.pad} and {p.bn}+{p.pad} {shape.precision} "
+                              f"elements must be whole multiples of {align} bytes; use a pad of 0 or 8")
+        for tensor, words in self._tile_words(shape, p).items():
+            if words % p.threads:
+                raise ConfigError(f"tile-copy: the {tensor} tile is {words} 4-byte words, not a multiple of "
+                                  f"{p.threads} threads")
+        mt, nt = wm // 16, wn // 8
+        accumulators = mt * nt * 4
+        if accumulators > _ACCUMULATORS_MAX:
+            raise ConfigError(f"registers: a {wm}×{wn} warp tile is {accumulators} accumulators a thread (at most "
+                              f"{_ACCUMULATORS_MAX}); use more warps or a smaller tile")
+        # The K steps of a tile are unrolled: every step's fragments, and every copy's address, may be live at
+        # once. Fitted to ptxas 13.0 over the full preset at 1000³ (none admitted spilled).
+        words = sum(self._tile_words(shape, p).values()) // p.threads
+        need = accumulators + 2 * (4 * mt + 2 * nt) * (p.bk // step) + 2 * words + 40
+        if need > (cap := register_cap(p.threads)):
+            raise ConfigError(f"registers: {accumulators} accumulators, {p.bk // step} unrolled K steps of fragments "
+                              f"and {words} copies a thread need about {need} registers, over the {cap} a block of "
+                              f"{p.threads} threads leaves each; use a smaller bk, more warps or a smaller tile")
+        if p.plant not in PLANTED_BUGS:
+            raise ConfigError(f"plant: unknown planted bug {p.plant!r}")
+        if (need := self.shared_bytes(shape, p)) > MAX_SHARED_BYTES:
+            raise ConfigError(f"shared-memory: {p.stages} stages need {need} bytes, over the {MAX_SHARED_BYTES} a "
+                              "block can have; use fewer stages or a smaller tile")
+
+    def _tile_words(self, shape: Shape, p: Params) -> dict[str, int]:
+        per_word = 4 // _ELEMENT[shape.precision].itemsize
+        return {"A": p.bm * p.bk // per_word, "B": p.bk * p.bn // per_word}
+
+    def shared_bytes(self, shape: Shape, p: Params) -> int:
+        size = _ELEMENT[shape.precision].itemsize
+        return p.stages * (p.bm * (p.bk + p.pad) + p.bk * (p.bn + p.pad)) * size
+
+    # ---- generation ----
+    def kernel_name(self, shape: Shape, p: Params) -> str:
+        return (f"matmul_tc_{shape.precision}_m{shape.m}_n{shape.n}_k{shape.k}_b{p.bm}x{p.bn}x{p.bk}"
+                f"_w{p.warps_m}x{p.warps_n}_s{p.stages}_p{p.pad}" + (f"_bug_{p.plant}" if p.plant else ""))
+
+    def context(self, shape: Shape, p: Params) -> dict[str, Any]:
+        element = _ELEMENT[shape.precision]
+        per_word = 4 // element.itemsize
+        return dict(
+            M=shape.m, N=shape.n, K=shape.k, PRECISION=shape.precision, ELEMENT=element.c_type,
+            PER_WORD=per_word, BM=p.bm, BN=p.bn, BK=p.bk, STAGES=p.stages, THREADS=p.threads,
+            WARPS_N=p.warps_n, WM=p.bm // p.warps_m, WN=p.bn // p.warps_n, MT=p.bm // p.warps_m // 16,
+            NT=p.bn // p.warps_n // 8, KSTEP=_K_STEP[shape.precision], SA=p.bk + p.pad, SB=p.bn + p.pad,
+            A_STAGE=p.bm * (p.bk + p.pad), B_STAGE=p.bk * (p.bn + p.pad), TILES=-(-shape.k // p.bk),
+            A_WORDS=self._tile_words(shape, p)["A"] // p.threads, B_WORDS=self._tile_words(shape, p)["B"] // p.threads,
+            PLANT=p.plant,
+        )
+
+    def source(self, shape: Shape, p: Params) -> Source:
+        self.validate(shape, p)
+        return render("matmul_tc/mma.cu.j2", self.context(shape, p), self.kernel_name(shape, p), p)
+
+    def slug(self, shape: Shape) -> str:
+        return f"{shape.precision}_m{shape.m}_n{shape.n}_k{shape.k}"
+
+    def shape_key(self, shape: Shape) -> str:
+        return f"m={shape.m},n={shape.n},k={shape.k}/{shape.precision}"
+
+    def args(self, shape: Shape) -> tuple[Arg, ...]:
+        element = _ELEMENT[shape.precision].name
+        return (Arg("C", "out"), Arg("A", "in", element), Arg("B", "in", element))
+
+    def make_inputs(self, shape: Shape, run: dict[str, int], rng: np.random.Generator) -> dict[str, np.ndarray]:
+        element = _ELEMENT[shape.precision]
+        return {"A": element.round(rng.standard_normal((shape.m, shape.k), dtype=np.float32)),
+                "B": element.round(rng.standard_normal((shape.k, shape.n), dtype=np.float32))}
+
+    def output_shapes(self, shape: Shape, run: dict[str, int]) -> dict[str, tuple[int, ...]]:
+        return {"C": (shape.m, shape.n)}
+
+    def output_dtypes(self, shape: Shape) -> dict[str, DType]:
+        return {"C": FLOAT32}
+
+    def tolerance_of(self, shape: Shape, output: str, dtype: DType) -> float:
+        if shape.precision == "tf32":
+            return 4 * 2.0**-11
+        return 2.0**-24 * shape.k + 1e-6
+
+    def reference(self, shape: Shape, inputs: dict[str, np.ndarray], scalars: dict[str, int | float]) -> dict[str, np.ndarray]:
+        element = _ELEMENT[shape.precision]
+        a, b = (element.widen(inputs[name]).astype(np.float64) for name in ("A", "B"))
+        return {"C": a @ b}
+
+    def gate_runs(self, shape: Shape, run: dict[str, int], params: Params) -> list[dict[str, int]]:
+        return [{}]
+
+    def bytes_moved(self, shape: Shape, run: dict[str, int]) -> int:
+        size = _ELEMENT[shape.precision].itemsize
+        return size * (shape.m * shape.k + shape.k * shape.n) + 4 * shape.m * shape.n
+
+    def flops(self, shape: Shape) -> int:
+        return 2 * shape.m * shape.n * shape.k
+
+    def contract(self, shape: Shape, p: Params) -> dict[str, Any]:
+        element = _ELEMENT[shape.precision].name
+
+        def matrix(rows: int, cols: int, dtype: str) -> dict[str, Any]:
+            return {"dtype": dtype, "shape": [rows, cols], "layout": f"row-major, contiguous, row stride {cols} elements",
+                    "alignment_bytes": 4}
+
+        return {
+            "tensors": {"C": matrix(shape.m, shape.n, "float32"), "A": matrix(shape.m, shape.k, element),
+                        "B": matrix(shape.k, shape.n, element)},
+            "aliasing": "C must not overlap A or B (no in-place use): every pointer is declared __restrict__",
+            "scalars": {},
+        }
+
+
+OP = MatmulTC()

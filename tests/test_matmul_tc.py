@@ -1,0 +1,92 @@
+"""The tensor-core matmul (mage_gen/ops/matmul_tc.py): every quick variant compiles to the mma and ldmatrix
+counts its tiles imply, without spills; drawn small variants with tails pass the gate on the CPU
+interpreter in bf16 and tf32; the planted pipeline bugs fail it; rules refuse what cannot be built."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mage_gen import interp
+from mage_gen.errors import ConfigError
+from mage_gen.ops import get_op
+from mage_gen.space import expand, load_space
+from mage_gen.variants import build, build_all
+
+OP = get_op("matmul_tc")
+
+
+@pytest.mark.parametrize("precision", ["bf16", "tf32"])
+def test_every_quick_variant_compiles_to_its_tiles_mma_count(precision):
+    shape = OP.shape(m=1000, n=1000, k=1000, precision=precision)
+    valid, _ = expand(OP, shape, load_space(OP, "quick", shape))
+    assert valid
+    step = 16 if precision == "bf16" else 8
+    for v in build_all(OP, shape, valid, "sm_90"):
+        p, c = v.params, v.census
+        mt, nt = p.bm // p.warps_m // 16, p.bn // p.warps_n // 8
+        assert c.spill_bytes == 0 and c.stack_bytes == 0, v.source.kernel_name
+        assert c.mma == {f"m16n8k{step}.{precision}": mt * nt * p.bk // step}, c.mma
+        if precision == "bf16":
+            assert c.ldmatrix == {"x4": mt * p.bk // 16, "x2.trans": nt * p.bk // 16}, c.ldmatrix
+        else:
+            assert c.ldmatrix == {} and c.tf32_round == 4 * mt * p.bk // 8 + 2 * nt * p.bk // 8
+        assert c.wait_groups == {p.stages - 1: 1}
+
+
+SMALL = [p for p in expand(OP, OP.shape(m=64, n=64, k=64), load_space(OP, "full"))[0] if p.bm <= 64 and p.bn <= 64]
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_drawn_variants_with_tails_pass_the_gate_on_the_cpu(data):
+    precision = data.draw(st.sampled_from(["bf16", "tf32"]), label="precision")
+    even = 2 if precision == "bf16" else 1
+    m = data.draw(st.integers(1, 64), label="m")
+    n, k = (even * data.draw(st.integers(1, 64 // even), label=name) for name in ("n", "k"))
+    shape = OP.shape(m=m, n=n, k=k, precision=precision)
+    usable = []
+    for p in SMALL:
+        try:
+            OP.validate(shape, p)
+        except ConfigError:
+            continue
+        usable.append(p)
+    params = data.draw(st.sampled_from(usable), label="params")
+    result = interp.gate(OP, shape, build(OP, shape, params, "sm_90"), {}, np.random.default_rng(0))
+    assert result.passed, f"{precision} {m}x{n}x{k} {params.label()}: {result.reason}"
+
+
+@pytest.mark.parametrize("plant", ["stage_off_by_one", "loose_wait"])
+@pytest.mark.parametrize("precision", ["bf16", "tf32"])
+def test_the_planted_pipeline_bugs_fail_the_gate(plant, precision):
+    shape = OP.shape(m=64, n=64, k=96, precision=precision)
+    params = OP.params_from_dict({"bm": 64, "bn": 64, "bk": 16, "stages": 2, "plant": plant})
+    result = interp.gate(OP, shape, build(OP, shape, params, "sm_90"), {}, np.random.default_rng(0))
+    assert not result.passed and "cp.async" in result.reason
+
+
+@pytest.mark.parametrize("dims, values, rule", [
+    ({"m": 64, "n": 64, "k": 64, "precision": "bf16"}, {"bk": 8}, "k-step"),
+    ({"m": 64, "n": 64, "k": 64}, {"bm": 64, "warps_m": 8}, "warp-tile"),
+    ({"m": 64, "n": 64, "k": 64}, {"pad": 4}, "pad"),
+    ({"m": 64, "n": 64, "k": 64}, {"stages": 5}, "stages"),
+    ({"m": 64, "n": 64, "k": 64}, {"plant": "typo"}, "plant"),
+])
+def test_rules_refuse_what_cannot_be_built(dims, values, rule):
+    with pytest.raises(ConfigError, match=f"^{rule}:"):
+        OP.validate(OP.shape(**dims), OP.params_from_dict(values))
+
+
+def test_shapes_and_what_a_user_may_set():
+    with pytest.raises(ConfigError, match="^divisibility: bf16 rows"):
+        OP.shape(m=8, n=7, k=8)
+    with pytest.raises(ConfigError, match="^precision:"):
+        OP.shape(m=8, n=8, k=8, precision="fp8")
+    with pytest.raises(ConfigError, match="unknown matmul_tc parameter"):
+        OP.params_from_user({"plant": "loose_wait"})
+    shape = OP.shape(m=4096, n=4096, k=4096, precision="tf32")
+    assert OP.shape_key(shape) == "m=4096,n=4096,k=4096/tf32"
+    assert OP.tolerance_of(shape, "C", None) == 4 * 2.0**-11
+    assert [(a.name, a.dtype) for a in OP.args(OP.shape(m=8, n=8, k=8))] == [
+        ("C", "float32"), ("A", "bfloat16"), ("B", "bfloat16")]
