@@ -16,21 +16,23 @@ from mage_gen.variants import build, build_all
 OP = get_op("matmul_tc")
 
 
-@pytest.mark.parametrize("precision", ["bf16", "tf32"])
+@pytest.mark.parametrize("precision", ["bf16", "tf32", "fp32x3"])
 def test_every_quick_variant_compiles_to_its_tiles_mma_count(precision):
     shape = OP.shape(m=1000, n=1000, k=1000, precision=precision)
     valid, _ = expand(OP, shape, load_space(OP, "quick", shape))
     assert valid
-    step = 16 if precision == "bf16" else 8
+    step, kind = (16, "bf16") if precision == "bf16" else (8, "tf32")
+    split = 2 if precision == "fp32x3" else 1  # a high and a low tf32 part of every element
     for v in build_all(OP, shape, valid, "sm_90"):
         p, c = v.params, v.census
         mt, nt = p.bm // p.warps_m // 16, p.bn // p.warps_n // 8
         assert c.spill_bytes == 0 and c.stack_bytes == 0, v.source.kernel_name
-        assert c.mma == {f"m16n8k{step}.{precision}": mt * nt * p.bk // step}, c.mma
+        # 3xTF32: small·big, big·small and big·big for every pair of tiles
+        assert c.mma == {f"m16n8k{step}.{kind}": (2 * split - 1) * mt * nt * p.bk // step}, c.mma
         if precision == "bf16":
             assert c.ldmatrix == {"x4": mt * p.bk // 16, "x2.trans": nt * p.bk // 16}, c.ldmatrix
         else:
-            assert c.ldmatrix == {} and c.tf32_round == 4 * mt * p.bk // 8 + 2 * nt * p.bk // 8
+            assert c.ldmatrix == {} and c.tf32_round == split * (4 * mt + 2 * nt) * p.bk // 8
         assert c.wait_groups == {p.stages - 1: 1}
 
 
@@ -40,7 +42,7 @@ SMALL = [p for p in expand(OP, OP.shape(m=64, n=64, k=64), load_space(OP, "full"
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_drawn_variants_with_tails_pass_the_gate_on_the_cpu(data):
-    precision = data.draw(st.sampled_from(["bf16", "tf32"]), label="precision")
+    precision = data.draw(st.sampled_from(["bf16", "tf32", "fp32x3"]), label="precision")
     even = 2 if precision == "bf16" else 1
     m = data.draw(st.integers(1, 64), label="m")
     n, k = (even * data.draw(st.integers(1, 64 // even), label=name) for name in ("n", "k"))
@@ -55,6 +57,18 @@ def test_drawn_variants_with_tails_pass_the_gate_on_the_cpu(data):
     params = data.draw(st.sampled_from(usable), label="params")
     result = interp.gate(OP, shape, build(OP, shape, params, "sm_90"), {}, np.random.default_rng(0))
     assert result.passed, f"{precision} {m}x{n}x{k} {params.label()}: {result.reason}"
+
+
+def test_3xtf32_is_near_fp32_where_tf32_is_not():
+    errors = {}
+    for precision in ("tf32", "fp32x3"):
+        shape = OP.shape(m=48, n=40, k=200, precision=precision)
+        params = OP.params_from_dict({"bm": 32, "bn": 32, "bk": 16, "warps_m": 2, "warps_n": 2})
+        result = interp.gate(OP, shape, build(OP, shape, params, "sm_90"), {}, np.random.default_rng(7))
+        assert result.passed, result.reason
+        errors[precision] = result.worst_error
+    # tf32 keeps 11 bits of each input (~3e-4 here); the split keeps ~22, and fp32 sums remain
+    assert errors["tf32"] > 1e-4 and errors["fp32x3"] < 1e-6, errors
 
 
 @pytest.mark.parametrize("plant", ["stage_off_by_one", "loose_wait"])

@@ -3,6 +3,9 @@
 precision (a field of the shape: it decides what is computed):
   bf16  A and B are bf16 in memory; m16n8k16 mma, fp32 accumulation.
   tf32  A and B are fp32 in memory, rounded to tf32 (cvt.rna) as they leave shared memory; m16n8k8 mma.
+  fp32x3  A and B fp32, each split into a tf32 high part and the tf32 rounding of what is left; three
+        m16n8k8 products (small·big, big·small, then big·big, the small terms first) summed in fp32: close
+        to fp32 accuracy at tensor-core speed ("3xTF32"). The dropped small·small term is ~2⁻²² relative.
 
 One template, `mma`: a BM×BN block tile of warps_m × warps_n warps, walked along K in BK steps through
 `stages` shared-memory buffers that 4-byte cp.async copies fill (zero-filled past M, N and K, so tails
@@ -15,6 +18,7 @@ The gate's tolerance (tolerance_of), relative norm against float64 of the exact 
         about K·2⁻²⁴ relative, and in norm far less; 2⁻²⁴·K + 1e-6 bounds it for any K here.
   tf32  each input keeps 11 significant bits (unit roundoff 2⁻¹¹), so each product is within 2·2⁻¹¹ of
         the exact one; 4·2⁻¹¹ bounds the norm, with the fp32 accumulation on top.
+  fp32x3  the fp32 matmul's own tolerance (ops/matmul.py, 1e-4): what an FP32 result must meet.
 """
 
 from __future__ import annotations
@@ -29,12 +33,13 @@ from mage_gen.errors import ConfigError
 from mage_gen.ops.base import Arg, TiledProduct, params_dict, params_from, public_params_from, register_cap
 from mage_gen.render import Source, render
 
-PRECISIONS = ("bf16", "tf32")
+PRECISIONS = ("bf16", "tf32", "fp32x3")
 MAX_DIM = 1 << 16
 MAX_THREADS = 256
 MAX_SHARED_BYTES = 227 * 1024  # the opt-in limit per block on sm_90
-_K_STEP = {"bf16": 16, "tf32": 8}  # K of one mma
-_ELEMENT = {"bf16": BFLOAT16, "tf32": FLOAT32}  # of A and B in memory
+_K_STEP = {"bf16": 16, "tf32": 8, "fp32x3": 8}  # K of one mma
+_ELEMENT = {"bf16": BFLOAT16, "tf32": FLOAT32, "fp32x3": FLOAT32}  # of A and B in memory
+_MMA_TYPE = {"bf16": "bf16", "tf32": "tf32", "fp32x3": "tf32"}
 _ACCUMULATORS_MAX = 64  # floats of C a thread holds; at 128 (a 64×64 warp tile) ptxas spilled
 # test-only pipeline bugs the gate must reject: the multiply reads the stage one ahead of the tile it waited
 # for, or waits for one copy group fewer than that tile needs
@@ -145,7 +150,8 @@ class MatmulTC(TiledProduct):
         # The K steps of a tile are unrolled: every step's fragments, and every copy's address, may be live at
         # once. Fitted to ptxas 13.0 over the full preset at 1000³ (none admitted spilled).
         words = sum(self._tile_words(shape, p).values()) // p.threads
-        need = accumulators + 2 * (4 * mt + 2 * nt) * (p.bk // step) + 2 * words + 40
+        split = 2 if shape.precision == "fp32x3" else 1  # a high and a low part of every fragment
+        need = accumulators + 2 * split * (4 * mt + 2 * nt) * (p.bk // step) + 2 * words + 40
         if need > (cap := register_cap(p.threads)):
             raise ConfigError(f"registers: {accumulators} accumulators, {p.bk // step} unrolled K steps of fragments "
                               f"and {words} copies a thread need about {need} registers, over the {cap} a block of "
@@ -173,7 +179,8 @@ class MatmulTC(TiledProduct):
         element = _ELEMENT[shape.precision]
         per_word = 4 // element.itemsize
         return dict(
-            M=shape.m, N=shape.n, K=shape.k, PRECISION=shape.precision, ELEMENT=element.c_type,
+            M=shape.m, N=shape.n, K=shape.k, PRECISION=shape.precision, MMA_TYPE=_MMA_TYPE[shape.precision],
+            SPLIT=shape.precision == "fp32x3", ELEMENT=element.c_type,
             PER_WORD=per_word, BM=p.bm, BN=p.bn, BK=p.bk, STAGES=p.stages, THREADS=p.threads,
             WARPS_N=p.warps_n, WM=p.bm // p.warps_m, WN=p.bn // p.warps_n, MT=p.bm // p.warps_m // 16,
             NT=p.bn // p.warps_n // 8, KSTEP=_K_STEP[shape.precision], SA=p.bk + p.pad, SB=p.bn + p.pad,
@@ -210,6 +217,8 @@ class MatmulTC(TiledProduct):
     def tolerance_of(self, shape: Shape, output: str, dtype: DType) -> float:
         if shape.precision == "tf32":
             return 4 * 2.0**-11
+        if shape.precision == "fp32x3":
+            return 1e-4
         return 2.0**-24 * shape.k + 1e-6
 
     def reference(self, shape: Shape, inputs: dict[str, np.ndarray], scalars: dict[str, int | float]) -> dict[str, np.ndarray]:
