@@ -20,10 +20,12 @@ OP = get_op("matmul_tc")
 def test_every_quick_variant_compiles_to_its_tiles_mma_count(precision):
     shape = OP.shape(m=1000, n=1000, k=1000, precision=precision)
     valid, _ = expand(OP, shape, load_space(OP, "quick", shape))
-    assert valid
+    sample = valid[::3]  # every third (odd: the last axis alternates), every value of every axis kept
+    for axis in ("bm", "bn", "bk", "warps_m", "warps_n", "stages"):
+        assert {getattr(p, axis) for p in sample} == {getattr(p, axis) for p in valid}, axis
     step, kind = (16, "bf16") if precision == "bf16" else (8, "tf32")
     split = 2 if precision == "fp32x3" else 1  # a high and a low tf32 part of every element
-    for v in build_all(OP, shape, valid, "sm_90"):
+    for v in build_all(OP, shape, sample, "sm_90"):
         p, c = v.params, v.census
         mt, nt = p.bm // p.warps_m // 16, p.bn // p.warps_n // 8
         assert c.spill_bytes == 0 and c.stack_bytes == 0, v.source.kernel_name
