@@ -83,7 +83,7 @@ def _parse_sizes(op: Op, text: str) -> list[int] | str:
 def _problem(op: Op, config: dict[str, Any] | None = None, **given: Any) -> tuple[Any, dict[str, int]]:
     """The op's generation-time shape and launch-time sizes from the size options given, and the shape's
     other fields (dtype, weight_dtype, residual) from the options or from --config."""
-    options = getattr(op, "shape_options", ())
+    options = op.shape_options
     dims = {name: given.get(name) for name in op.shape_dims}
     missing = [name for name, value in dims.items() if value is None]
     if missing:
@@ -107,7 +107,7 @@ def _problem(op: Op, config: dict[str, Any] | None = None, **given: Any) -> tupl
 def _split_config(op: Op, items: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     """--config as (the shape's fields it names, e.g. residual=true; the params)."""
     values = _parse_config(items)
-    options = getattr(op, "shape_options", ())
+    options = op.shape_options
     return ({k: v for k, v in values.items() if k in options}, {k: v for k, v in values.items() if k not in options})
 
 
@@ -115,7 +115,7 @@ def _shape_only_config(op: Op, items: list[str]) -> dict[str, Any]:
     """--config of a command that searches the params: only the shape's fields (residual=true) may be set."""
     shape_values, params = _split_config(op, items)
     if params:
-        options = getattr(op, "shape_options", ())
+        options = op.shape_options
         raise MageError(f"config: here --config sets only {', '.join(options) or 'nothing'} for {op.name}, not "
                         f"{', '.join(sorted(params))}: the search space gives the parameters (--preset)")
     return shape_values

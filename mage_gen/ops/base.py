@@ -123,6 +123,7 @@ class Op(Protocol):
     shape_dims: tuple[str, ...]  # what the kernel is generated for, e.g. ('d',)
     run_dims: tuple[str, ...]  # sizes given at launch, e.g. ('m',)
     run_defaults: dict[str, int]  # for the CLI, where a launch size is not given
+    shape_options: tuple[str, ...]  # the shape's fields beside its sizes (a norm's dtype), set by name
     min_arch: int  # oldest sm_XY its templates build for, as XY (matmul's cp.async needs 80)
 
     def shape(self, **dims: Any) -> Any: ...

@@ -309,17 +309,16 @@ class LayerNorm:
     def reference(self, shape: Shape, inputs: dict[str, np.ndarray], scalars: dict[str, int | float]) -> dict[str, np.ndarray]:
         """float64 from the exact inputs, each output rounded to its element type (and held as float64)."""
         act, weight = element_type(shape.dtype), element_type(shape.weight_dtype)
-        out: dict[str, np.ndarray] = {}
+        extra: dict[str, np.ndarray] = {}
         if shape.residual:  # as torch adds two tensors of the activation type: in fp32, rounded once
             row = act.round(act.widen(inputs["x"]) + act.widen(inputs["residual"]))
-            out["residual_out"] = act.widen(row).astype(np.float64)
-            y = out["residual_out"].copy()
+            extra["residual_out"] = act.widen(row).astype(np.float64)
+            y = extra["residual_out"].copy()
         else:
             y = act.widen(inputs["x"]).astype(np.float64)
         self._normalize(shape, y, {k: weight.widen(inputs[k]).astype(np.float64) for k in ("w", "b") if k in inputs},
                         float(scalars["eps"]))
-        out["y"] = y if act == FLOAT32 else act.widen(act.round(y)).astype(np.float64)
-        return {"y": out["y"], **{k: v for k, v in out.items() if k != "y"}}
+        return {"y": y if act == FLOAT32 else act.widen(act.round(y)).astype(np.float64), **extra}
 
     def _normalize(self, shape: Shape, y: np.ndarray, weights: dict[str, np.ndarray], eps: float) -> None:
         # Two passes over the centred rows, in place on one float64 copy: the gate computes this for every

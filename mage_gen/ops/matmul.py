@@ -86,6 +86,7 @@ class Matmul(TiledProduct):
     shape_dims = ("m", "n", "k")
     run_dims: tuple[str, ...] = ()
     run_defaults: dict[str, int] = {}
+    shape_options: tuple[str, ...] = ()
     _args = (Arg("C", "out"), Arg("A", "in"), Arg("B", "in"))
     min_arch = 80  # cp.async
 
