@@ -38,6 +38,7 @@ VECTOR_WIDTHS = (4, 8, 16)  # bytes per global access of a row
 RSQRT_MODES = ("approx", "exact")
 STATS = ("two_pass", "one_pass")
 HINTS = ("none", "nc", "stream")
+WEIGHTS = ("late", "early")
 MAX_D = 1 << 20
 # The kernels count rows and row groups in int: (M + R - 1) / R and a group's last row must not overflow.
 MAX_ROWS = 2**31 - 1024
@@ -69,9 +70,13 @@ class Params:
     hint: str = "nc"  # none: plain loads; nc: read-only path; stream: x not kept in L1, y evict-first
     stats: str = "two_pass"  # two_pass: mean, then squared deviations; one_pass: one Chan-merged reduction
     grid_cap: int = 0  # 0: a block per row group; N: at most N blocks walk the rows, prefetching the next
+    # late: w and b read after the statistics, where they are used; early: beside x, held until then (a
+    # persistent block reads them once)
+    weights: str = "late"
 
     def label(self) -> str:
-        extra = (" one_pass" if self.stats == "one_pass" else "") + (f" grid≤{self.grid_cap}" if self.grid_cap else "")
+        extra = ((" one_pass" if self.stats == "one_pass" else "") + (f" grid≤{self.grid_cap}" if self.grid_cap else "")
+                 + (" w-early" if self.weights == "early" else ""))
         return (f"{self.template} T{self.threads} V{self.vector}B R{self.rows_per_block} "
                 f"{self.rsqrt} {self.hint}{extra}")
 
@@ -172,9 +177,14 @@ class LayerNorm:
             raise ConfigError(f"stats: stats must be one of {STATS}, got {p.stats!r}")
         if not isinstance(p.grid_cap, int) or p.grid_cap < 0:
             raise ConfigError(f"grid-cap: grid_cap is 0 (a block per row group) or a block count, got {p.grid_cap!r}")
-        if p.template == "wide" and (p.grid_cap or p.stats != "two_pass"):
-            raise ConfigError("wide-options: template wide takes no grid_cap and leaves stats at its default "
-                              "(two_pass): it always merges with Chan's formula, one block per row")
+        if p.weights not in WEIGHTS:
+            raise ConfigError(f"weights: weights must be one of {WEIGHTS}, got {p.weights!r}")
+        if p.template == "wide" and (p.grid_cap or p.stats != "two_pass" or p.weights != "late"):
+            raise ConfigError("wide-options: template wide takes no grid_cap and leaves stats and weights at their "
+                              "defaults (two_pass, late): it always merges with Chan's formula, one block per row")
+        if p.weights == "early" and d % v:
+            raise ConfigError(f"weights: early weights need every row's vectors at the same columns, so vector "
+                              f"({v} elements) must divide d={d}; use weights late or a narrower vector")
         r = p.rows_per_block
         if p.template == "multirow":
             if not isinstance(r, int) or r < 2:
@@ -194,6 +204,9 @@ class LayerNorm:
             unit = 2 if act.half else 1
             values = ((self._slots(shape, p) * v + (2 * unit if d % v else 0)) * (2 if p.grid_cap else 1)
                       * (2 if shape.residual else 1))
+            if p.weights == "early":  # held as loaded: a 16-bit pair per register
+                weight = element_type(shape.weight_dtype)
+                values += self._slots(shape, p) * v * len(self._weight_tensors()) // (2 if weight.half else 1)
             if values > MAX_VALUES_PER_THREAD:
                 raise ConfigError(f"registers: template {p.template} would hold {values} floats per thread "
                                   f"(limit {MAX_VALUES_PER_THREAD}); use more threads or template wide")
@@ -207,6 +220,9 @@ class LayerNorm:
         """Elements per access of a row: `vector` bytes of the activation type."""
         return p.vector // element_type(shape.dtype).itemsize
 
+    def _weight_tensors(self) -> tuple[str, ...]:
+        return ("w", "b") if self.norm == "layer" else ("w",)
+
     def _slots(self, shape: Shape, p: Params) -> int:
         return math.ceil((shape.d // self._elements(shape, p)) / p.threads)
 
@@ -216,7 +232,7 @@ class LayerNorm:
         # that every kernel keeps its name and its tuned entries stay current
         return (f"layernorm_{p.template}_d{shape.d}{self._type_tag(shape)}_t{p.threads}_v{self._elements(shape, p)}_r{p.rows_per_block}"
                 f"_{p.rsqrt}_{p.hint}" + ("_onepass" if p.stats == "one_pass" else "")
-                + (f"_g{p.grid_cap}" if p.grid_cap else ""))
+                + (f"_g{p.grid_cap}" if p.grid_cap else "") + ("_wearly" if p.weights == "early" else ""))
 
     def _type_tag(self, shape: Shape) -> str:
         """'' for fp32 without residual (the names of every kernel tuned before dtypes), else e.g. _bf16_wf32_res."""
@@ -238,6 +254,7 @@ class LayerNorm:
             X_HINT_PASS1="nc" if p.hint != "none" else "", X_HINT_PASS2=x_hint, UNROLL=4, NORM=self.norm,
             ACT=act.c_type, XDT=act.ptx, WT=weight.c_type, WDT=weight.ptx, U=2 if act.half else 1,
             WU=2 if weight.half else 1, RESIDUAL=shape.residual,
+            WB_EARLY=p.weights == "early", WB_TENSORS=self._weight_tensors(), WB_RAW=v // (2 if weight.half else 1),
         )
 
     def source(self, shape: Shape, p: Params) -> Source:
