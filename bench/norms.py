@@ -16,16 +16,14 @@ import argparse
 import json
 import sys
 
-import torch
-import triton
-import triton.language as tl
-
 from mage_gen import dispatch, gpu
 from mage_gen.measure import Bench, interleave
 from mage_gen.ops import get_op
-from mage_gen.peers import TorchSubject, make_peers
+from mage_gen.peers import make_peers
 from mage_gen.variants import build
 
+from _copy import FLOOR, copy_floor, copy_subjects  # bench/_copy.py
+from _copy import METHOD as COPY_METHOD
 from _common import geomean, provenance, timing_method, winner_params, write_result  # bench/_common.py, beside this script
 
 SHAPES = [(4096, 768), (4096, 4096), (4096, 8192), (65536, 768), (32768, 4096), (16384, 8192)]
@@ -34,22 +32,6 @@ DTYPE = "bf16"
 PEERS = ("torch", "inductor", "triton")
 ROUNDS, PER_ROUND = 4, 5
 DRAM_L2S = 2  # a shape is DRAM-bound where it moves at least this many L2s of bytes
-
-
-@triton.jit
-def _copy(src, dst, n, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(dst + offsets, tl.load(src + offsets, mask=offsets < n), mask=offsets < n)
-
-
-def copy_floor(nbytes: int) -> TorchSubject:
-    """A copy kernel reading and writing nbytes / 2 bytes each: the bytes the norm must move. A kernel, not
-    torch's copy_: inside a CUDA graph that is a memcpy node, which the copy engines may serve slower."""
-    src = torch.zeros(nbytes // 8, dtype=torch.float32, device="cuda")
-    dst = torch.empty_like(src)
-    n, block = src.numel(), 4096
-    return TorchSubject("floor:copy", lambda: _copy[(triton.cdiv(n, block),)](src, dst, n, BLOCK=block, num_warps=8),
-                        {"fn": f"Triton copy of {n} float32, {block} per program, 8 warps"})
 
 
 def tune_flags(op, shape, m: int, l2_bytes: int) -> list[str]:
@@ -73,10 +55,16 @@ def bench_shape(op, shape, m: int, params, device) -> dict:
             return {**head, "gate": checked.to_dict()}
         peers, missing = make_peers(op, shape, run, subject.bound.inputs, None, check=bench.check_tensor,
                                     inductor=True)
-        everyone = [subject, *peers, copy_floor(moved)]
+        copies = copy_subjects(moved)
+        everyone = [subject, *peers, *copies]
         hot = interleave(everyone, "hot", ROUNDS, PER_ROUND)
         cold = interleave(everyone, "cold", ROUNDS, PER_ROUND)
         subject.close()
+        for copy in copies:
+            copy.close()
+        floors = {}
+        for table in (hot, cold):
+            floors[table["mage-gen"].method], table[FLOOR] = copy_floor(table)
     finally:
         kernel.unload()
     result = {
@@ -85,6 +73,7 @@ def bench_shape(op, shape, m: int, params, device) -> dict:
         "gate": checked.to_dict(),
         "timings": {name: {"hot": hot[name].to_dict(), "cold": cold[name].to_dict()} for name in hot},
         "peer_configs": {p.name: p.config for p in peers}, "peers_missing": missing,
+        "copy_configs": {c.name: c.config for c in copies}, "copy_floor_is": floors,
     }
     for method, table in (("hot", hot), ("cold", cold)):
         mine = table["mage-gen"]
@@ -96,7 +85,7 @@ def bench_shape(op, shape, m: int, params, device) -> dict:
             result[f"{method}_ratio_to_best_peer"] = mine.median_us / table[best].median_us
             result[f"{method}_ties_best_peer"] = mine.ties_with(table[best])
         # the copy of the same bytes, timed the same way in the same rounds, over this kernel's time
-        result[f"{method}_fraction_of_copy"] = table["floor:copy"].median_us / mine.median_us
+        result[f"{method}_fraction_of_copy"] = table[FLOOR].median_us / mine.median_us
     return result
 
 
@@ -152,8 +141,7 @@ def main() -> None:
                      "inductor: torch.compile(fullgraph=True, dynamic=False) of that eager code; triton: one "
                      "program per row, bf16 loads, fp32 math, best num_warps of 2/4/8/16 by hot time",
             **timing_method(ROUNDS, PER_ROUND),
-            "floor:copy": "a Triton copy kernel reading and writing bytes_moved / 2 bytes each (the bytes the norm "
-                          "reads and writes), timed like the kernels and interleaved with them",
+            "floor:copy": "bytes_moved / 2 bytes read and as many written (what the norm moves): " + COPY_METHOD,
             "regime": f"dram where bytes moved ≥ {DRAM_L2S}× the GPU's L2",
         },
         **provenance(device), "shapes": rows, "summary": summary,

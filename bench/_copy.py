@@ -1,0 +1,75 @@
+"""The copy of the same bytes: the floor a memory-bound kernel is measured against.
+
+One copy kernel is a weak floor (a Triton copy of 4096 floats per program ran ~5% under what torch's copy
+reaches on large sizes), so the floor is the fastest of several: Triton copies over block size and num_warps,
+and torch's `copy_` (inside a CUDA graph, a memcpy node). A short interleaved pass picks the fastest hot and
+the fastest cold; those run in the bench's rounds beside the kernels, and each method's floor is the faster
+of them there.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mage_gen.measure import interleave
+from mage_gen.peers import TorchSubject
+from mage_gen.timing import Timing
+
+FLOOR = "floor:copy"
+_BLOCKS = (2048, 4096, 8192, 16384)  # floats per program
+_WARPS = (4, 8, 16)
+_PICK_ROUNDS, _PICK_PER_ROUND = 2, 3
+
+
+@triton.jit
+def _copy(src, dst, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst + offsets, tl.load(src + offsets, mask=offsets < n), mask=offsets < n)
+
+
+def _candidates(nbytes: int) -> list[TorchSubject]:
+    src = torch.zeros(nbytes // 8, dtype=torch.float32, device="cuda")  # reads nbytes / 2, writes as many
+    dst = torch.empty_like(src)
+    n = src.numel()
+
+    def triton_copy(block: int, warps: int):
+        return lambda: _copy[(triton.cdiv(n, block),)](src, dst, n, BLOCK=block, num_warps=warps)
+
+    subjects = [TorchSubject(f"{FLOOR}/triton_b{block}_w{warps}", triton_copy(block, warps),
+                             {"fn": f"Triton copy of {n} float32, {block} per program, {warps} warps"})
+                for block in _BLOCKS for warps in _WARPS]
+    subjects.append(TorchSubject(f"{FLOOR}/torch_copy_", lambda: dst.copy_(src),
+                                 {"fn": f"torch dst.copy_(src) of {n} float32 (a memcpy node in a CUDA graph)"}))
+    return subjects
+
+
+def copy_subjects(nbytes: int) -> list[TorchSubject]:
+    """The fastest hot and the fastest cold of the copies of nbytes (half read, half written), to be timed in
+    the bench's own rounds; copy_floor then takes the faster of them per method."""
+    subjects = _candidates(nbytes)
+    picked = []
+    for method in ("hot", "cold"):
+        timings = interleave(subjects, method, _PICK_ROUNDS, _PICK_PER_ROUND)
+        best = min(subjects, key=lambda s: timings[s.name].median_us)
+        best.config.setdefault("picked_from", {})[method] = {s.name.removeprefix(FLOOR + "/"): round(timings[s.name].median_us, 3)
+                                                              for s in subjects}
+        if best not in picked:
+            picked.append(best)
+    for s in subjects:
+        if s not in picked:
+            s.close()
+    return picked
+
+
+def copy_floor(table: dict[str, Timing]) -> tuple[str, Timing]:
+    """The fastest copy in one method's timings: its name and timing."""
+    name = min((n for n in table if n.startswith(FLOOR + "/")), key=lambda n: table[n].median_us)
+    return name, table[name]
+
+
+METHOD = ("the fastest of the copies of the same bytes (half read, half written): Triton copy kernels over "
+          f"{len(_BLOCKS)} block sizes × num_warps {'/'.join(map(str, _WARPS))} and torch's copy_ (a memcpy node "
+          f"in a graph); a pass of {_PICK_ROUNDS}×{_PICK_PER_ROUND} picks the fastest hot and cold, which are "
+          "then timed interleaved with the kernels; each method's floor is the faster of them there")
