@@ -61,12 +61,12 @@ def shape_dict(shape: Any) -> dict[str, Any]:
     return values
 
 
-def register_cap(block_threads: int) -> int:
-    """Registers per thread ptxas allows under __launch_bounds__(block, 1): the 64K register file split
-    over the block's warps, rounded up to whole groups of 4 warps, in steps of 8, at most 255."""
+def register_cap(block_threads: int, blocks: int = 1) -> int:
+    """Registers per thread ptxas allows under __launch_bounds__(block, blocks): the 64K register file split
+    over the warps of `blocks` blocks, each rounded up to whole groups of 4 warps, in steps of 8, at most 255."""
     warps = -(-block_threads // 32)
     warps = -(-warps // 4) * 4
-    return min(255, 65536 // (warps * 32) // 8 * 8)
+    return min(255, 65536 // (blocks * warps * 32) // 8 * 8)
 
 
 @dataclass(frozen=True)

@@ -44,8 +44,12 @@ MAX_D = 1 << 20
 MAX_ROWS = 2**31 - 1024
 # Elements of x the gate draws fresh for every check, at most (a persistent grid may need more rows)
 GATE_ELEMENTS = 1 << 22
+MAX_THREADS_PER_SM = 2048  # sm_70 to sm_90
 MAX_VALUES_PER_THREAD = 64  # floats of one row a thread may hold; beyond it ptxas starts to spill
 _REGISTERS_PER_VALUE = {1: 5.0, 2: 3.5, 4: 2.25}  # by 4-byte words per access
+# Registers beyond the values held that a min_blocks > 1 variant is left at least: under that cap ptxas spills
+# at most a few hundred bytes (fitted over 818 row variants of d 768-8192, fp32 and bf16, ptxas 13.0)
+_SQUEEZE_OVERHEAD = 16
 _TEMPLATE_FILES = {"row": "layernorm/resident.cu.j2", "multirow": "layernorm/resident.cu.j2",
                    "wide": "layernorm/wide.cu.j2"}
 # (x loads, y stores, w/b loads) for each hint
@@ -73,10 +77,13 @@ class Params:
     # late: w and b read after the statistics, where they are used; early: beside x, held until then (a
     # persistent block reads them once)
     weights: str = "late"
+    # blocks each SM must hold at once (__launch_bounds__' second argument): ptxas fits the registers to it,
+    # so that more rows are in flight where registers, not threads, limit the blocks per SM
+    min_blocks: int = 1
 
     def label(self) -> str:
         extra = ((" one_pass" if self.stats == "one_pass" else "") + (f" grid≤{self.grid_cap}" if self.grid_cap else "")
-                 + (" w-early" if self.weights == "early" else ""))
+                 + (" w-early" if self.weights == "early" else "") + (f" B≥{self.min_blocks}" if self.min_blocks > 1 else ""))
         return (f"{self.template} T{self.threads} V{self.vector}B R{self.rows_per_block} "
                 f"{self.rsqrt} {self.hint}{extra}")
 
@@ -179,9 +186,15 @@ class LayerNorm:
             raise ConfigError(f"grid-cap: grid_cap is 0 (a block per row group) or a block count, got {p.grid_cap!r}")
         if p.weights not in WEIGHTS:
             raise ConfigError(f"weights: weights must be one of {WEIGHTS}, got {p.weights!r}")
-        if p.template == "wide" and (p.grid_cap or p.stats != "two_pass" or p.weights != "late"):
-            raise ConfigError("wide-options: template wide takes no grid_cap and leaves stats and weights at their "
-                              "defaults (two_pass, late): it always merges with Chan's formula, one block per row")
+        if p.template == "wide" and (p.grid_cap or p.stats != "two_pass" or p.weights != "late" or p.min_blocks != 1):
+            raise ConfigError("wide-options: template wide takes no grid_cap and leaves stats, weights and min_blocks "
+                              "at their defaults (two_pass, late, 1): it always merges with Chan's formula, one block "
+                              "per row")
+        if not isinstance(p.min_blocks, int) or not 1 <= p.min_blocks <= 8:
+            raise ConfigError(f"min-blocks: min_blocks is the blocks per SM to fit, 1..8, got {p.min_blocks!r}")
+        if t * p.rows_per_block * p.min_blocks > MAX_THREADS_PER_SM:
+            raise ConfigError(f"min-blocks: {p.min_blocks} blocks of {t * p.rows_per_block} threads exceed the "
+                              f"{MAX_THREADS_PER_SM} threads an SM holds; use fewer blocks or threads")
         if p.weights == "early" and d % v:
             raise ConfigError(f"weights: early weights need every row's vectors at the same columns, so vector "
                               f"({v} elements) must divide d={d}; use weights late or a narrower vector")
@@ -215,6 +228,14 @@ class LayerNorm:
                 raise ConfigError(f"registers: {values} floats per thread need about {need} registers, over the "
                                   f"{cap} a block of {t * r} threads leaves each; use fewer rows per block, a "
                                   "wider vector, more threads per row or template wide")
+            if p.min_blocks > 1:
+                squeezed = register_cap(t * r, p.min_blocks)
+                if need <= squeezed:
+                    raise ConfigError(f"min-blocks: about {need} registers per thread fit {p.min_blocks} blocks per SM "
+                                      "unasked; leave min_blocks at 1")
+                if values + _SQUEEZE_OVERHEAD > squeezed:
+                    raise ConfigError(f"registers: {p.min_blocks} blocks of {t * r} threads leave {squeezed} registers "
+                                      f"per thread, too few for the {values} floats each holds; use fewer min_blocks")
 
     def _elements(self, shape: Shape, p: Params) -> int:
         """Elements per access of a row: `vector` bytes of the activation type."""
@@ -232,7 +253,8 @@ class LayerNorm:
         # that every kernel keeps its name and its tuned entries stay current
         return (f"layernorm_{p.template}_d{shape.d}{self._type_tag(shape)}_t{p.threads}_v{self._elements(shape, p)}_r{p.rows_per_block}"
                 f"_{p.rsqrt}_{p.hint}" + ("_onepass" if p.stats == "one_pass" else "")
-                + (f"_g{p.grid_cap}" if p.grid_cap else "") + ("_wearly" if p.weights == "early" else ""))
+                + (f"_g{p.grid_cap}" if p.grid_cap else "") + ("_wearly" if p.weights == "early" else "")
+                + (f"_b{p.min_blocks}" if p.min_blocks > 1 else ""))
 
     def _type_tag(self, shape: Shape) -> str:
         """'' for fp32 without residual (the names of every kernel tuned before dtypes), else e.g. _bf16_wf32_res."""
@@ -254,7 +276,7 @@ class LayerNorm:
             X_HINT_PASS1="nc" if p.hint != "none" else "", X_HINT_PASS2=x_hint, UNROLL=4, NORM=self.norm,
             ACT=act.c_type, XDT=act.ptx, WT=weight.c_type, WDT=weight.ptx, U=2 if act.half else 1,
             WU=2 if weight.half else 1, RESIDUAL=shape.residual,
-            WB_EARLY=p.weights == "early", WB_TENSORS=self._weight_tensors(), WB_RAW=v // (2 if weight.half else 1),
+            MIN_BLOCKS=p.min_blocks, WB_EARLY=p.weights == "early", WB_TENSORS=self._weight_tensors(), WB_RAW=v // (2 if weight.half else 1),
         )
 
     def source(self, shape: Shape, p: Params) -> Source:
