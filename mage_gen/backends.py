@@ -79,7 +79,8 @@ class ReplayBackend:
     def __init__(self, path: Path):
         remedy = "give a recording written by bench/layernorm_trials.py"
         try:
-            self.recording = json.loads(Path(path).read_text())
+            self.path = Path(path)
+            self.recording = json.loads(self.path.read_text())
             self.device = self.recording["gpu"]
             self.arch = "sm_" + self.device["cc"].replace(".", "")
             self._by_kernel = {r["kernel"]: r for r in self.recording["variants"]}

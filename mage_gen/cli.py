@@ -373,13 +373,13 @@ def _size_classes(op: Op, shape: Any, winners: list[Winner]) -> dict[str, Any] |
 
 
 def _emit_tuned(op: Op, shape: Any, gpu_name: str, arch: str, out_dir: Path, run: dict[str, int] | None,
-                replace: bool) -> list[Path]:
+                replace: bool, directory: Path | None = None) -> list[Path]:
     """Every size class's winner (only the one that serves `run`, where given). A fixed-size op with no entry
     for this shape takes the params of the nearest tuned shape they are valid for, else its default config,
     and says so."""
-    if not op.run_dims and not shape_entries(op, shape, gpu_name):
+    if not op.run_dims and not shape_entries(op, shape, gpu_name, directory):
         return _emit_untuned(op, shape, gpu_name, arch, out_dir, replace)
-    winners = load_winners(op, shape, gpu_name)
+    winners = load_winners(op, shape, gpu_name, directory)
     classes = _size_classes(op, shape, winners)
     if run is not None and op.run_dims:
         winners = [pick_winner(op, shape, winners, run)]
@@ -461,7 +461,11 @@ def tune_command(
     out_dir: Path = typer.Option(Path("kernels"), "-o", "--out", help="folder for the emitted winners"),
     seed: int = typer.Option(0, help="seed of the sampler and the random inputs"),
     replay: Optional[Path] = typer.Option(None, help="answer from a recording of bench/layernorm_trials.py "
-                                                      "instead of the GPU (for testing)"),
+                                                      "instead of the GPU (for testing): the study is kept in "
+                                                      "memory unless --storage is given, and the winner is "
+                                                      "stored and emitted only with --tuned"),
+    tuned: Optional[Path] = typer.Option(None, "--tuned", help="folder of the tuned/ files that take the winners "
+                                                               "(default: $MAGE_GEN_TUNED, else ./tuned)"),
     dtype: Optional[str] = DTypeOpt, weight_dtype: Optional[str] = WeightDTypeOpt,
     config: list[str] = typer.Option([], help="the shape's other fields, e.g. residual=true"),
 ) -> None:
@@ -503,18 +507,37 @@ def tune_command(
     if replayed is not None and any(replayed.recording.get("run", run) != run for run in runs):
         raise MageError(f"replay: the recording was made at {replayed.recording.get('run')}, not at every one of "
                         f"{runs}; give --m to match it")
+    # A replay's figures are a recording's, not this machine's: they reach a study, tuned/ or --out only
+    # where a path says so, never the defaults a real tune would read and resume.
+    store = tuned is not None or replayed is None
+    if replayed is not None:
+        storage = storage or IN_MEMORY
+        study = study or _replay_study_name(op, shape, space, replayed)
     # Where the winners go is checked before the search, so that nothing is measured in vain.
-    check_can_save(op.name, device["name"])
-    check_out_dir(out_dir)
+    if store:
+        check_can_save(op.name, device["name"], tuned)
+        check_out_dir(out_dir)
     for run in runs:
         if len(runs) > 1:
             err.print(f"tuning {op.name} {shape_dict(shape)} at {run} ({dispatch.regime(op, shape, run, int(device['l2_bytes']))}"
                       " size class)", markup=False, highlight=False)
         _tune_size_class(op, shape, run, space, replayed, seed, objective=objective, trials=trials,
-                         storage=storage, study=study)
+                         storage=storage, study=study, tuned=tuned, store=store)
+    if not store:
+        out.print("replay: the winner is not stored or emitted; give --tuned DIR (and -o) to keep it, marked as a "
+                  "replay")
+        return
     # A tune's job is the new winner: it replaces what an earlier tune emitted into --out.
-    for path in _emit_tuned(op, shape, device["name"], target, out_dir, None, replace=True):
+    for path in _emit_tuned(op, shape, device["name"], target, out_dir, None, replace=True, directory=tuned):
         print(path)
+
+
+IN_MEMORY = "memory"  # --storage for a study that lives only as long as the command
+
+
+def _replay_study_name(op: Op, shape: Any, space: Any, replayed: Any) -> str:
+    """Never a name a tune on a GPU would open: it says replay and which recording."""
+    return f"replay-{op.name}-{op.slug(shape)}-{space.preset}-{Path(replayed.path).stem}"
 
 
 def _gpu_facts() -> dict[str, Any]:
@@ -525,7 +548,7 @@ def _gpu_facts() -> dict[str, Any]:
 
 
 def _tune_size_class(op: Op, shape: Any, run: dict[str, int], space: Any, replayed: Any, seed: int,
-                     **search: Any) -> None:
+                     tuned: Path | None, store: bool, **search: Any) -> None:
     """One study at one run size, its winner stored in tuned/ under its size class."""
     from mage_gen.tune import tune as tune_search
     from mage_gen.worker import IsolatedBackend, gpu_backend
@@ -550,12 +573,15 @@ def _tune_size_class(op: Op, shape: Any, run: dict[str, int], space: Any, replay
             backend.close()
     entry = result.entry(op, shape, run, backend.device, search["objective"])
     entry["size_class"] = dispatch.record(op, shape, run, int(backend.device["l2_bytes"]))
-    stored = save_entry(op.name, backend.device["name"], entry_key(op, shape, run), entry)
+    if replayed is not None:
+        entry["replay"] = str(replayed.path)
     _print_result(op, result, search["objective"])
     marks = [*began.items(), ("end", time.monotonic())]
     out.print("phases: " + ", ".join(f"{stages[stage]} {later - at:.1f} s"
                                      for (stage, at), (_, later) in zip(marks, marks[1:])))
-    out.print(f"stored {stored}")
+    if store:
+        stored = save_entry(op.name, backend.device["name"], entry_key(op, shape, run), entry, tuned)
+        out.print(f"stored {stored}")
 
 
 def _click_exceptions(name: str) -> tuple[type[BaseException], ...]:

@@ -173,9 +173,10 @@ def _header(op: Op, shape: Any, variant: Variant, provenance: dict[str, Any] | N
 def _timing_rows(entry: dict[str, Any]) -> list[tuple[str, str]]:
     gpu = entry["gpu"]
     hot = Timing.from_dict(entry["timings"]["hot"])
+    device = (f"{gpu['name']} (cc {gpu['cc']}, {gpu['sms']} SMs, {gpu['l2_bytes']} B L2, driver {gpu['driver']})")
     rows = [
-        ("tuned on", f"{gpu['name']} (cc {gpu['cc']}, {gpu['sms']} SMs, {gpu['l2_bytes']} B L2, "
-                     f"driver {gpu['driver']}), {entry['date']}"),
+        ("replayed", f"{entry['date']}: a replay of the recording {entry['replay']}, made on {device}; "
+                     "not measured by this tune") if entry.get("replay") else ("tuned on", f"{device}, {entry['date']}"),
         ("objective", str(entry["objective"])),
         *((kind, _timing_text(Timing.from_dict(entry["timings"][kind]))) for kind in ("hot", "cold")),
     ]

@@ -100,6 +100,19 @@ class TuneResult:
         return {
             "shape": shape_dict(shape), "run": run, "dtype": getattr(shape, "dtype", "float32"), "params": op.params_to_dict(w.params),
             "kernel": w.name, "template": w.template, "template_hash": w.template_hash, "source_hash": w.source_hash,
+            **self.final_round(op, objective),
+            "census": w.census, "gpu": device, "nvrtc": nvrtc_version(), "mage_gen": __version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "study": self.study, "search": {"sampler": self.sampler, "valid": self.valid, "rejected": self.rejected,
+                                             "measured": self.measured, "reused": self.reused,
+                                             "failed": len(self.failed)},
+        }
+
+
+    def final_round(self, op: Op, objective: str) -> dict[str, Any]:
+        """The finalists re-timed beside the peers, and what ranked them (kept on the study too)."""
+        w = self.winner
+        return {
             "objective": objective,
             "timings": {"hot": w.hot.to_dict(), "cold": w.cold.to_dict()},
             "peers": {name: {"hot": p["hot"].to_dict(), "cold": p["cold"].to_dict(), "config": p["config"]}
@@ -107,11 +120,6 @@ class TuneResult:
             "tie": self.tie, "tied_with": self.tied_with,
             "runner_ups": [{"kernel": f.name, "params": op.params_to_dict(f.params), "registers": f.registers,
                             "hot": f.hot.to_dict(), "cold": f.cold.to_dict()} for f in self.runner_ups],
-            "census": w.census, "gpu": device, "nvrtc": nvrtc_version(), "mage_gen": __version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "study": self.study, "search": {"sampler": self.sampler, "valid": self.valid, "rejected": self.rejected,
-                                             "measured": self.measured, "reused": self.reused,
-                                             "failed": len(self.failed)},
         }
 
 
@@ -128,8 +136,9 @@ def params_key(op: Op, params: Any) -> str:
 def _open_study(name: str, storage: str, sampler: optuna.samplers.BaseSampler, identity: dict[str, Any]
                 ) -> optuna.Study:
     try:
-        study = optuna.create_study(study_name=name, storage=storage, sampler=sampler, direction="minimize",
-                                    load_if_exists=True)
+        # "memory": a study kept only while the command runs (a replay's, unless given a storage)
+        study = optuna.create_study(study_name=name, storage=None if storage == "memory" else storage,
+                                    sampler=sampler, direction="minimize", load_if_exists=True)
     except Exception as exc:  # SQLAlchemy and Optuna raise many kinds for a bad or unreachable URL
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise MageError(f"storage: cannot open Optuna storage {storage!r} ({first_line}); "
@@ -301,7 +310,11 @@ def _finish(op, shape, study, done, valid, rejected, backend, objective, measure
     winner = min((f for f in tied if f.timing(other).ties_with(best_other)),
                  key=lambda f: (f.registers, f.threads, f.timing(objective).median_us))
     peers = {name: {**timings[name], "config": peer_configs.get(name, {})} for name in peer_configs}
-    return TuneResult(
+    result = TuneResult(
         study=study.study_name, sampler=sampler, valid=len(valid), rejected=len(rejected), measured=measured,
         reused=reused, failed=failed, winner=winner, runner_ups=[f for f in ranked if f is not winner],
         tie=len(tied) > 1, tied_with=[f.name for f in tied if f is not winner], peers=peers, dropped=dropped)
+    # the report reads the final round from the study, whichever tuned/ entry it led to
+    study.set_user_attr("final_round", {"winner": winner.name, "winner_params": op.params_to_dict(winner.params),
+                                        "winner_registers": winner.registers, **result.final_round(op, objective)})
+    return result

@@ -65,7 +65,7 @@ def study_of_d768(tmp_path: Path, make_entry) -> None:
     (tmp_path / "studies").mkdir()
     done = mage_gen(tmp_path, "tune", "layernorm", "--d", "768", "--replay", str(RECORDING), "--trials", "4",
                     "--seed", "1", "--study", "S", "--storage", f"sqlite:///{tmp_path / 'studies' / 's.db'}",
-                    "--out", str(tmp_path / "k768"))
+                    "--out", str(tmp_path / "k768"), "--tuned", str(tmp_path / "tuned"))
     assert done.returncode == 0, done.stderr
     assert tuned_file(tmp_path).is_file()
 
@@ -157,7 +157,7 @@ CASES = [
     ("emit-out-unwritable", ["emit", "layernorm", "--d", "768", "--config", "threads=128", "-o", "{tmp}/file/k"],
      regular_file, ["{tmp}/file/k", "--out"]),
     ("tune-out-unwritable", [*TUNE_REPLAY, "--trials", "2", "--seed", "1", "--storage", SQLITE, "--out",
-                             "{tmp}/file/k"], regular_file, ["{tmp}/file/k", "--out"]),
+                             "{tmp}/file/k", "--tuned", "{tmp}/tuned"], regular_file, ["{tmp}/file/k", "--out"]),
 ]
 
 

@@ -47,6 +47,7 @@ def start(tmp_path: Path, db: Path, trials: int, study: str | None = None, seed:
     command = ["-c", KILL_AT] if kill_at else ["-m", "mage_gen"]
     args = [sys.executable, *command, "tune", "layernorm", "--d", "768", "--replay", str(RECORDING),
             "--storage", f"sqlite:///{db}", "--trials", str(trials), "--out", str(tmp_path / "k"),
+            "--tuned", str(tmp_path / "tuned"),
             "--seed", str(seed), *(["--study", study] if study else [])]
     # MAGE_GEN_CACHE stays the session's; nothing else may leave tmp_path.
     env = {**os.environ, "MAGE_GEN_TUNED": str(tmp_path / "tuned"), "XDG_DATA_HOME": str(tmp_path / "data"),

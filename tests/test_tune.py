@@ -475,7 +475,8 @@ def mage_gen(*args: str, env: dict | None = None, cwd: Path | None = None) -> su
 def test_cli_tune_from_a_recording_stores_and_emits_the_winner(recording_path, recording_doc, tmp_path):
     env = {**os.environ, "MAGE_GEN_TUNED": str(tmp_path / "tuned")}  # MAGE_GEN_CACHE: the session's
     done = mage_gen("tune", "layernorm", "--d", "768", "--replay", str(recording_path), "--trials", "12",
-                    "--storage", sqlite(tmp_path), "--out", str(tmp_path / "k"), env=env, cwd=tmp_path)
+                    "--storage", sqlite(tmp_path), "--out", str(tmp_path / "k"), "--tuned", str(tmp_path / "tuned"),
+                    env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     doc = json.loads((tmp_path / "tuned" / "h200" / "layernorm.json").read_text())
     entry = doc["entries"]["d=768/float32/m=4096"]
@@ -487,7 +488,10 @@ def test_cli_tune_from_a_recording_stores_and_emits_the_winner(recording_path, r
     assert json.loads((tmp_path / "k" / "layernorm_d768_m4096.launch.json").read_text())["kernel"] == winner
     # the stored winner is one of the study's measured configs: the best of them, or tied with it
     (name,) = optuna.get_all_study_names(storage=sqlite(tmp_path))
-    assert name.startswith("layernorm-d768-m4096-NVIDIA_H200-sm_90-hot-quick-")
+    assert name == f"replay-layernorm-d768-quick-{recording_path.stem}"  # never the study a GPU's tune resumes
+    assert entry["replay"] == str(recording_path)
+    header = (tmp_path / "k" / "layernorm_d768_m4096.cu").read_text()
+    assert "a replay of the recording" in header and "tuned on" not in header
     study = optuna.load_study(study_name=name, storage=sqlite(tmp_path))
     complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE and "params_key" in t.user_attrs]
     assert len(complete) + sum(t.state == optuna.trial.TrialState.FAIL and "params_key" in t.user_attrs
@@ -504,6 +508,17 @@ def test_cli_tune_from_a_recording_stores_and_emits_the_winner(recording_path, r
     assert launch["kernel"] == winner and launch["provenance"]["kernel"] == winner
     cubin = "layernorm_d768_m4096.cubin"
     assert (tmp_path / "e" / cubin).read_bytes() == (tmp_path / "k" / cubin).read_bytes()
+
+
+def test_a_replay_writes_no_tuned_entry_study_or_kernel_unless_given_paths(recording_path, tmp_path):
+    # The defaults are the folders a real tune on the GPU writes and resumes: a replay leaves them alone.
+    env = {**os.environ, "MAGE_GEN_TUNED": str(tmp_path / "tuned"), "XDG_DATA_HOME": str(tmp_path / "data")}
+    done = mage_gen("tune", "layernorm", "--d", "768", "--replay", str(recording_path), "--trials", "6",
+                    env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "not stored or emitted" in done.stdout and "--tuned" in done.stdout
+    written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    assert written == [], written  # no tuned/, no study under the user data folder, no kernels/
 
 
 def test_cli_tune_without_a_gpu_compiles_then_says_a_gpu_is_needed(tmp_path):
