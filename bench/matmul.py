@@ -125,7 +125,9 @@ def main() -> None:
                     f"relative norm vs float64 ≤ {op.tolerance:g}; peers gated on the timing inputs",
             **timing_method(ROUNDS, PER_ROUND),
             "error": "max |C − C64| and ‖C − C64‖ / ‖C64‖ on the timing inputs, C64 their float64 product; "
-                     "mage-gen's C as its last timed launch left it, each peer's from one more run",
+                     "mage-gen's C as its last timed launch left it, each peer's from one more run; fence: "
+                     "mage-gen's output is fenced by guard regions poisoned before its first timed launch, and "
+                     "any element of them written by then is counted",
             "tflops": "2·M·N·K / median",
             "ratio": "mage-gen median / peer median",
             "cublas": "torch.matmul(A, B, out=C) with allow_tf32 off for cuBLAS and cuDNN and float32 matmul "

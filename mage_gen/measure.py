@@ -376,6 +376,9 @@ class Bench:
             self._timing_on_device = uploaded
         bound = Bound(self.op, self.shape, variant.params, kernel, self.run, self.timing_inputs(),
                       on_device=self._timing_on_device)
+        # Fences poisoned from the start: what is read back from them after timing is then a real check,
+        # not uninitialised memory.
+        bound.poison(self.stream)
         return KernelSubject(name or variant.source.kernel_name, bound, self.stream)
 
     def check_tensor(self, name: str, tensor: Any) -> tuple[float, str]:

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mage_gen import gpu
-from mage_gen.measure import gate
+from mage_gen.measure import Bench, gate
 from mage_gen.ops import get_op
 from mage_gen.ops.matmul import Params
 from mage_gen.space import expand, load_space
@@ -49,3 +49,24 @@ def test_the_gate_rejects_each_planted_pipeline_bug(device, stream, dims, bug):
     assert run_gate(device, stream, shape, Params()).passed  # the seed itself is right
     result = run_gate(device, stream, shape, Params(plant=bug))
     assert not result.passed and result.reason
+
+
+def test_a_timed_kernel_reads_back_its_fences_untouched(device):
+    # The timing subject's outputs are fenced like the gate's: after timed launches its fences must read as
+    # poisoned (a false "wrote outside C" came from fences that were never poisoned).
+    shape, params = OP.shape(m=256, n=256, k=256), Params()
+    variant = build(OP, shape, params, device.arch)
+    bench = Bench(OP, shape, {}, seed=3)
+    kernel = bench.load(variant)
+    try:
+        subject = bench.subject(variant, kernel)
+        bench.stream.synchronize()
+        assert subject.bound.fence_complaints() == []
+        subject.hot(2)
+        subject.cold(2)
+        bench.stream.synchronize()
+        outputs, complaints = subject.bound.outputs()
+        assert complaints == [] and np.isfinite(outputs["C"]).all()
+        subject.close()
+    finally:
+        kernel.unload()
