@@ -540,6 +540,50 @@ def _replay_study_name(op: Op, shape: Any, space: Any, replayed: Any) -> str:
     return f"replay-{op.name}-{op.slug(shape)}-{space.preset}-{Path(replayed.path).stem}"
 
 
+@app.command("report")
+def report_command(
+    op_name: str = OpArg, d: Optional[int] = DOpt,
+    m: Optional[int] = typer.Option(None, "--m", help="matmul: M. layernorm: the size class (the M it was tuned "
+                                                      "at); default: the shape's only study"),
+    n: Optional[int] = NOpt, k: Optional[int] = KOpt,
+    dtype: Optional[str] = DTypeOpt, weight_dtype: Optional[str] = WeightDTypeOpt,
+    config: list[str] = typer.Option([], help="the shape's other fields, e.g. residual=true"),
+    storage: Optional[str] = typer.Option(None, help="Optuna storage URL of the tune (default: SQLite in the "
+                                                     "user data folder)"),
+    study: Optional[str] = typer.Option(None, help="study name, where the storage holds several for the shape"),
+    out_dir: Path = typer.Option(Path("report"), "-o", "--out", help="folder for index.html and its PNGs"),
+) -> None:
+    """One HTML page with plots of a tune's study: the search, what mattered, why the winner won, how far each
+    variant is from the hardware's limit."""
+    try:
+        from mage_gen import report
+    except ImportError as exc:
+        raise MageError(f"report: {exc.name} is not installed; pip install 'mage-gen[report]'") from None
+    from mage_gen.tune import default_storage
+
+    op = get_op(op_name)
+    shape, _ = _problem(op, _shape_only_config(op, config), d=d, m=m if "m" in op.shape_dims else None, n=n, k=k,
+                        dtype=dtype, weight_dtype=weight_dtype)
+    run = {"m": m} if m is not None and "m" in op.run_dims else None
+    storage = storage or default_storage()
+    names = [study] if study else report.find_studies(storage, op, shape, run)
+    if not names:
+        raise MageError(f"report: {storage} holds no study of {op.name} {shape_dict(shape)}"
+                        f"{' at ' + str(run) if run else ''}; tune it first, or give the --storage it used")
+    if len(names) > 1:
+        raise MageError(f"report: {len(names)} studies of {op.name} {shape_dict(shape)} in {storage}: "
+                        f"{', '.join(names)}; choose one with --study")
+    check_out_dir(out_dir)
+    try:
+        identity = report.study_identity(storage, names[0])
+    except KeyError:
+        raise MageError(f"report: {storage} holds no study {names[0]!r}; leave --study out to find the shape's")
+    gpu_name = identity.get("gpu", "")
+    classes = shape_entries(op, shape, gpu_name) if gpu_name else {}
+    page = report.write_report(op, shape, storage, names[0], out_dir, classes, report.measured_copy(gpu_name))
+    print(page)
+
+
 def _gpu_facts() -> dict[str, Any]:
     """This machine's GPU as tuned/ records it (name, cc, SMs, L2, driver); NoGpuError where there is none."""
     from mage_gen import gpu
