@@ -42,13 +42,30 @@ def build(op: Op, shape: Any, params: Any, arch: str) -> Variant:
     return Variant(params=params, source=source, compiled=compiled, census=take_census(compiled))
 
 
+# Workers come from a fork server, never from a fork of the caller: a process holding CUDA, torch or SQLite
+# threads may be forked while one of them holds a lock the child then waits on for ever. The server starts
+# once, single-threaded, with the compiler's modules loaded.
+_CONTEXT = multiprocessing.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(["mage_gen.variants"])
+
+
+def _start_worker(cache: str | None) -> None:
+    """In each worker: the caller's compile cache (the server's environment is the one it started with), and
+    Ctrl-C left to the caller."""
+    if cache is None:
+        os.environ.pop("MAGE_GEN_CACHE", None)
+    else:
+        os.environ["MAGE_GEN_CACHE"] = cache
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 @contextlib.contextmanager
 def _workers(count: int) -> Iterator[Any]:
     """Compile processes that an interrupt or an error stops at once: the workers ignore Ctrl-C (the parent
     alone decides), and on any exception the parent kills them rather than waiting for their queued work,
     so a second Ctrl-C finds nothing to hang on and no process is left behind. The cache stays whole: an
     entry appears by one rename, and a killed compile leaves at most a scratch folder."""
-    pool = multiprocessing.get_context().Pool(count, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN))
+    pool = _CONTEXT.Pool(count, initializer=_start_worker, initargs=(os.environ.get("MAGE_GEN_CACHE"),))
     try:
         yield pool
         pool.close()

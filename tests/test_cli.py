@@ -181,6 +181,21 @@ def test_fitting_a_preset_to_a_round_shape_changes_nothing():
     assert fitted["b_width"] == (4,) and fitted["a_width"] == (4,)
 
 
+def live_in_group(pgid: int, within_s: float) -> list[str]:
+    """The processes of a group still running after up to within_s seconds. An exited worker whose parent (the
+    compile pool's fork server) is gone waits as a zombie until init reaps it: it runs nothing, so it is not
+    counted."""
+    import time
+
+    deadline = time.monotonic() + within_s
+    while True:
+        listed = subprocess.run(["ps", "-o", "pid=,stat=,cmd=", "-g", str(pgid)], capture_output=True, text=True)
+        live = [line for line in listed.stdout.splitlines() if line.split()[1][0] != "Z"]
+        if not live or time.monotonic() > deadline:
+            return live
+        time.sleep(0.1)
+
+
 @pytest.mark.parametrize("interrupts", [1, 2])
 def test_ctrl_c_during_a_parallel_compile_stops_at_once_and_leaves_nothing_behind(tmp_path, interrupts):
     import signal
@@ -203,9 +218,7 @@ def test_ctrl_c_during_a_parallel_compile_stops_at_once_and_leaves_nothing_behin
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130 and rest.strip().endswith("mage-gen: interrupted"), rest
     assert "Traceback" not in rest
-    time.sleep(0.5)
-    with pytest.raises(ProcessLookupError):  # no compile worker outlived it
-        os.killpg(proc.pid, 0)
+    assert live_in_group(proc.pid, within_s=5) == [], "a compile worker outlived it"
     # the cache holds whole entries only (a killed compile leaves at most a scratch folder)
     entries = [p for p in (tmp_path / "nvrtc").glob("*/*") if not p.name.startswith(".tmp-")]
     assert all({f.name for f in entry.iterdir()} == {"kernel.ptx", "ptxas.log", "kernel.cubin"} for entry in entries)

@@ -151,3 +151,17 @@ def test_a_compile_error_in_the_child_is_the_same_one_line_error(monkeypatch, tm
     broken = dataclasses.replace(source, text=source.text + "\nthis is not C++;\n")
     with pytest.raises(CompileError, match="NVRTC could not compile layernorm_row_d640"):
         compile_module._nvrtc_without_compute_cache(broken, "sm_90", True)
+
+
+def _parent_pid(_: object) -> int:
+    return os.getppid()
+
+
+def test_compile_workers_are_not_forks_of_the_caller():
+    # A fork of a process with CUDA, torch or SQLite threads can inherit a lock held by one of them and wait
+    # on it for ever: the workers come from a fork server instead.
+    from mage_gen.variants import _workers
+
+    with _workers(2) as pool:
+        parents = set(pool.map(_parent_pid, range(4)))
+    assert os.getpid() not in parents

@@ -482,7 +482,8 @@ def test_cli_tune_from_a_recording_stores_and_emits_the_winner(recording_path, r
     entry = doc["entries"]["d=768/float32/m=4096"]
     winner = entry["kernel"]
     winner_line = next(line for line in done.stdout.splitlines() if "winner" in line and "layernorm_" in line)
-    assert winner in winner_line
+    assert winner in winner_line and "winner by hot" in winner_line  # the objective that ranked it, beside it
+    assert "so this measures the L2" in " ".join(done.stdout.split())  # 4096×768 fp32 fits the H200's L2
     emitted = sorted(p.name for p in (tmp_path / "k").iterdir())
     assert emitted == sorted(f"layernorm_d768_m4096{ext}" for ext in (".cu", ".ptx", ".cubin", ".launch.json", ".h"))
     assert json.loads((tmp_path / "k" / "layernorm_d768_m4096.launch.json").read_text())["kernel"] == winner
