@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from mage_gen.dtypes import DType
+from mage_gen.dtypes import BFLOAT16, FLOAT32, DType
 from mage_gen.dtypes import dtype as element_type
 from mage_gen.measure import FLUSH_BYTES, HOT_LAUNCHES_PER_GRAPH, compare_outputs, interleave
 from mage_gen.ops import Op
@@ -75,9 +75,10 @@ if triton is not None:
 
     @triton.jit
     def _triton_matmul(A, B, C, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr):
-        # C = A·B, all row-major; one BLOCK_M×BLOCK_N tile of C per program, fp32 products and sums
-        # (input_precision="ieee": no TF32). Programs take tiles GROUP_M tile rows at a time, column by column.
+                       GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
+        # C = A·B, all row-major; one BLOCK_M×BLOCK_N tile of C per program, fp32 sums; PRECISION is tl.dot's
+        # input_precision for fp32 tiles ("ieee": fp32 products, no TF32; "tf32"; "tf32x3"), None for bf16
+        # tiles. Programs take tiles GROUP_M tile rows at a time, column by column.
         pid = tl.program_id(0)
         per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
         first = (pid // per_group) * GROUP_M  # the group's first tile row
@@ -93,7 +94,7 @@ if triton is not None:
             k_in = ks < K - k0  # the K tail reads zeros, which add nothing
             a_tile = tl.load(a, mask=(rows[:, None] < M) & k_in[None, :], other=0.0)
             b_tile = tl.load(b, mask=k_in[:, None] & (cols[None, :] < N), other=0.0)
-            acc = tl.dot(a_tile, b_tile, acc, input_precision="ieee")
+            acc = tl.dot(a_tile, b_tile, acc, input_precision=PRECISION)
             a += BLOCK_K
             b += BLOCK_K * N
         tl.store(C + rows[:, None] * N + cols[None, :], acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
@@ -248,7 +249,7 @@ def _matmul_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float,
 
             def go():
                 _triton_matmul[grid](a, b, c, m, n, k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=TRITON_GROUP_M,
-                                     num_warps=warps, num_stages=stages)
+                                     PRECISION="ieee", num_warps=warps, num_stages=stages)
                 return c
             return go
 
@@ -260,7 +261,70 @@ def _matmul_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float,
     return candidates
 
 
-_CANDIDATES = {"layernorm": _layernorm_candidates, "rmsnorm": _rmsnorm_candidates, "matmul": _matmul_candidates}
+# Triton tile configs for the tensor-core peers: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
+TRITON_TC_CONFIGS = ((128, 128, 32, 4, 4), (128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (64, 128, 32, 4, 4),
+                     (128, 64, 32, 4, 4), (64, 64, 32, 4, 4))
+# What cuBLAS and Triton are asked for at each precision of matmul_tc: (allow TF32 in cuBLAS, tl.dot's
+# input_precision)
+_TC_PEER_MODES = {"bf16": (False, None), "tf32": (True, "tf32"), "fp32x3": (False, "tf32x3")}
+
+
+def _matmul_tc_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float,
+                          inductor: bool) -> dict[str, list[TorchSubject]]:
+    """cuBLAS through torch at the same precision (bf16 inputs with an fp32 C, and as torch.matmul gives it, a
+    bf16 C; tf32 with allow_tf32; for fp32x3, SGEMM with TF32 off: the FP32 result it must match) and Triton's
+    tl.dot at the same precision (fp32 accumulation and C)."""
+    allow_tf32, precision = _TC_PEER_MODES[shape.precision]
+    element = BFLOAT16 if shape.precision == "bf16" else FLOAT32
+    a, b = (to_torch(inputs[name], element) for name in ("A", "B"))
+    (m, k), n = a.shape, b.shape[1]
+
+    def output(dtype=torch.float32):
+        return torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+
+    def cublas_run(c, out_dtype=None):
+        def go():
+            # the flag is read when the call picks its kernel (at capture, in a CUDA graph): set for this call only
+            before = torch.backends.cuda.matmul.allow_tf32
+            torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+            try:
+                if out_dtype is None:
+                    torch.matmul(a, b, out=c)
+                else:
+                    torch.mm(a, b, out_dtype, out=c)
+            finally:
+                torch.backends.cuda.matmul.allow_tf32 = before
+            return c
+        return go
+
+    cublas = [TorchSubject("cublas/" + shape.precision, cublas_run(output()),
+                           {"fn": "torch.matmul", "allow_tf32": allow_tf32})]
+    if shape.precision == "bf16":
+        cublas = [TorchSubject("cublas/bf16-fp32-out", cublas_run(output(), torch.float32),
+                               {"fn": "torch.mm(a, b, torch.float32)", "C": "float32"}),
+                  TorchSubject("cublas/bf16-bf16-out", cublas_run(output(torch.bfloat16)),
+                               {"fn": "torch.matmul", "C": "bfloat16 (rounded once, as torch returns it)"})]
+    candidates = {"cublas": cublas}
+    if triton is not None:
+        def triton_run(c, bm, bn, bk, warps, stages):
+            grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+
+            def go():
+                _triton_matmul[grid](a, b, c, m, n, k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=TRITON_GROUP_M,
+                                     PRECISION=precision, num_warps=warps, num_stages=stages)
+                return c
+            return go
+
+        candidates["triton"] = [
+            TorchSubject(f"triton/{bm}x{bn}x{bk}w{warps}s{stages}", triton_run(output(), bm, bn, bk, warps, stages),
+                         {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": TRITON_GROUP_M,
+                          "num_warps": warps, "num_stages": stages, "input_precision": precision or "bf16"})
+            for bm, bn, bk, warps, stages in TRITON_TC_CONFIGS]
+    return candidates
+
+
+_CANDIDATES = {"layernorm": _layernorm_candidates, "rmsnorm": _rmsnorm_candidates, "matmul": _matmul_candidates,
+               "matmul_tc": _matmul_tc_candidates}
 
 
 def make_peers(op: Op, shape: Any, run: dict[str, int], inputs: dict[str, np.ndarray],

@@ -108,7 +108,7 @@ def measured(study: optuna.Study) -> list[Measured]:
 
 
 def limit_of(op: Op, shape: Any, run: dict[str, int], copy_bytes_per_us: tuple[float, str] | None) -> Limit:
-    if hasattr(op, "bytes_moved"):
+    if not hasattr(op, "flops"):  # a memory-bound op
         ceiling, source = (copy_bytes_per_us[0] / 1e6, copy_bytes_per_us[1]) if copy_bytes_per_us else (
             None, "no copy bandwidth measured on this GPU (bench/layernorm.py records one)")
         return Limit("copy bandwidth", "TB/s", op.bytes_moved(shape, run), 1e-6, ceiling, source)

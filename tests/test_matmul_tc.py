@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mage_gen import interp
+from mage_gen.dtypes import BFLOAT16, FLOAT32
 from mage_gen.errors import ConfigError
 from mage_gen.ops import get_op
 from mage_gen.space import expand, load_space
@@ -103,6 +104,17 @@ def test_shapes_and_what_a_user_may_set():
         OP.params_from_user({"plant": "loose_wait"})
     shape = OP.shape(m=4096, n=4096, k=4096, precision="tf32")
     assert OP.shape_key(shape) == "m=4096,n=4096,k=4096/tf32"
-    assert OP.tolerance_of(shape, "C", None) == 4 * 2.0**-11
+    assert OP.tolerance_of(shape, "C", FLOAT32) == 4 * 2.0**-11
     assert [(a.name, a.dtype) for a in OP.args(OP.shape(m=8, n=8, k=8))] == [
         ("C", "float32"), ("A", "bfloat16"), ("B", "bfloat16")]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "tf32", "fp32x3"])
+def test_the_default_config_is_valid_at_every_precision(precision):
+    shape = OP.shape(m=1000, n=1000, k=1000, precision=precision)
+    OP.validate(shape, OP.params_from_dict(OP.defaults(shape)))
+
+
+def test_a_peer_that_rounds_c_to_bf16_is_allowed_one_bf16_ulp_more():
+    shape = OP.shape(m=256, n=256, k=256)
+    assert OP.tolerance_of(shape, "C", BFLOAT16) == pytest.approx(2 * 2.0**-8 + OP.tolerance_of(shape, "C", FLOAT32))

@@ -19,6 +19,7 @@ The gate's tolerance (tolerance_of), relative norm against float64 of the exact 
   tf32  each input keeps 11 significant bits (unit roundoff 2⁻¹¹), so each product is within 2·2⁻¹¹ of
         the exact one; 4·2⁻¹¹ bounds the norm, with the fp32 accumulation on top.
   fp32x3  the fp32 matmul's own tolerance (ops/matmul.py, 1e-4): what an FP32 result must meet.
+  A peer that rounds C to bf16 (cuBLAS as torch.matmul returns it) is allowed one bf16 ulp (2u) more.
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ class MatmulTC(TiledProduct):
         return public_params_from(Params, self.name, values, _HIDDEN)
 
     def defaults(self, shape: Shape) -> dict[str, Any]:
-        return {}
+        # a tf32 K step is 8 deep, half a bf16 one: bk 16 keeps the unrolled fragments within the registers
+        return {} if shape.precision == "bf16" else {"bk": 16}
 
     def fit_space(self, shape: Shape, axes: dict[str, tuple]) -> dict[str, tuple]:
         return axes
@@ -215,6 +217,8 @@ class MatmulTC(TiledProduct):
         return {"C": FLOAT32}
 
     def tolerance_of(self, shape: Shape, output: str, dtype: DType) -> float:
+        if dtype != FLOAT32:  # a peer's C rounded to a 16-bit type: one rounding more, within one of its ulps
+            return 2 * dtype.unit_roundoff + self.tolerance_of(shape, output, FLOAT32)
         if shape.precision == "tf32":
             return 4 * 2.0**-11
         if shape.precision == "fp32x3":
