@@ -204,7 +204,7 @@ def inspect(
     op = get_op(op_name)
     shape_config, values = _split_config(op, config)
     shape, run = _problem(op, shape_config, d=d, m=m, n=n, k=k, dtype=dtype, weight_dtype=weight_dtype)
-    check_op_arch(op, arch)
+    check_op_arch(op, arch, shape)
     flags = {k: v for k, v in dict(template=template, threads=threads, vector=vector).items() if v is not None}
     both = sorted(key for key in flags if key in values and values[key] != flags[key])
     if both:
@@ -265,7 +265,7 @@ def variants(
     op = get_op(op_name)
     shape, run = _problem(op, _shape_only_config(op, config), d=d, m=m, n=n, k=k, dtype=dtype,
                           weight_dtype=weight_dtype)
-    check_op_arch(op, arch)
+    check_op_arch(op, arch, shape)
     space = load_space(op, preset, shape)
     valid, rejected = expand(op, shape, space)
     if not valid:
@@ -347,7 +347,7 @@ def emit_command(
     op = get_op(op_name)
     shape_config, values = _split_config(op, config)
     shape, run = _problem(op, shape_config, d=d, m=m, n=n, k=k, dtype=dtype, weight_dtype=weight_dtype)
-    check_op_arch(op, arch)
+    check_op_arch(op, arch, shape)
     if values:
         paths = emit(op, shape, op.params_from_user({**op.defaults(shape), **values}), arch, out_dir,
                      None, replace=force)
@@ -490,7 +490,7 @@ def tune_command(
     try:
         device = replayed.device if replayed else _gpu_facts()
     except NoGpuError as exc:
-        target = check_op_arch(op, arch or DEFAULT_ARCH)
+        target = check_op_arch(op, arch or DEFAULT_ARCH, shape)
         with _compiling(len(valid), f"{op.name} {shape_dict(shape)} preset {space.preset} for {target}") as advance:
             build_all(op, shape, valid, target, progress=advance)
         raise NoGpuError(f"compiled and counted {len(valid)} valid variants ({len(rejected)} rejected) for "

@@ -27,16 +27,18 @@ class Variant:
     census: Census
 
 
-def check_op_arch(op: Op, arch: str) -> str:
-    """The arch, where NVRTC builds for it and the op's templates can use it."""
+def check_op_arch(op: Op, arch: str, shape: Any = None) -> str:
+    """The arch, where NVRTC builds for it and the op's templates (for this shape, where given) can use it."""
     check_arch(arch)
-    if int(re.sub(r"\D", "", arch)) < op.min_arch:
-        raise ConfigError(f"arch: {op.name} needs sm_{op.min_arch} or newer, got {arch}; choose another --arch")
+    needed = op.min_arch if shape is None else op.min_arch_of(shape)
+    if int(re.sub(r"\D", "", arch)) < needed:
+        what = op.name if shape is None or needed == op.min_arch else f"{op.name} {op.slug(shape)}"
+        raise ConfigError(f"arch: {what} needs sm_{needed} or newer, got {arch}; choose another --arch")
     return arch
 
 
 def build(op: Op, shape: Any, params: Any, arch: str) -> Variant:
-    check_op_arch(op, arch)
+    check_op_arch(op, arch, shape)
     source = op.source(shape, params)  # validates first: a rejected config never reaches NVRTC
     compiled = compile_source(source, arch)
     return Variant(params=params, source=source, compiled=compiled, census=take_census(compiled))
@@ -88,7 +90,7 @@ def _build_one(job: tuple[str, Any, Any, str]) -> Variant:
 def build_all(op: Op, shape: Any, params_list: Sequence[Any], arch: str,
               progress: Callable[[], None] | None = None, workers: int | None = None) -> list[Variant]:
     """Build every variant, returned in input order; compiles run in worker processes, one per core."""
-    check_op_arch(op, arch)
+    check_op_arch(op, arch, shape)
     jobs = [(op.name, shape, p, arch) for p in params_list]
     workers = workers or min(len(jobs), os.cpu_count() or 1)
     if workers <= 1:
@@ -120,7 +122,7 @@ def prebuild(op: Op, shape: Any, params_list: Sequence[Any], arch: str,
     """Compile every variant into the cache in parallel and keep nothing: each is built again, from the
     cache, where it is used. A config that fails to render or compile is left for its user to report (a
     tuning trial fails alone); returns how many compiled."""
-    check_op_arch(op, arch)
+    check_op_arch(op, arch, shape)
     jobs = [(op.name, shape, p, arch) for p in params_list]
     if not jobs:
         return 0

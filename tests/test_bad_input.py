@@ -143,6 +143,8 @@ CASES = [
                           "-o", "{tmp}/k"], None, ["unknown matmul parameter(s) ['plant']", "known:"]),
     ("arch-the-op-cannot-use", ["inspect", "matmul", "--m", "64", "--n", "64", "--k", "64", "--arch", "sm_75"], None,
      ["matmul needs sm_80 or newer, got sm_75", "choose another --arch"]),
+    ("arch-the-dtype-cannot-use", ["inspect", "layernorm", "--d", "768", "--dtype", "bf16", "--arch", "sm_75"], None,
+     ["layernorm d768_bf16 needs sm_80 or newer, got sm_75", "choose another --arch"]),
     ("empty-preset", ["variants", "layernorm", "--d", "1"], None,
      ["no config of preset quick is valid", "try a wider --preset", "full"]),
     ("tune-m-not-sizes", [*TUNE_REPLAY, "--m", "4096,lots", "--storage", SQLITE], None,

@@ -127,6 +127,7 @@ class Op(Protocol):
     min_arch: int  # oldest sm_XY its templates build for, as XY (matmul's cp.async needs 80)
 
     def shape(self, **dims: Any) -> Any: ...
+    def min_arch_of(self, shape: Any) -> int: ...  # min_arch, or newer where the shape needs more (16-bit rows)
     def args(self, shape: Any) -> tuple[Arg, ...]: ...  # the kernel's parameters, pointers first
     def output_dtypes(self, shape: Any) -> dict[str, DType]: ...
     def tolerance_of(self, shape: Any, output: str, dtype: DType) -> float: ...  # the gate's bound

@@ -130,6 +130,11 @@ class LayerNorm:
                               f"even, got {d}; pad the rows to {d + 1}")
         return Shape(d, act.name, weight.name, residual)
 
+    def min_arch_of(self, shape: Shape) -> int:
+        """Packed 16-bit conversions (cvt.rn.bf16x2.f32, cvt.f32.bf16) need sm_80."""
+        act, weight = element_type(shape.dtype), element_type(shape.weight_dtype)
+        return 80 if act.half or weight.half else self.min_arch
+
     def args(self, shape: Shape) -> tuple[Arg, ...]:
         act, weight = shape.dtype, shape.weight_dtype
         outputs = [Arg("y", "out", act)] + ([Arg("residual_out", "out", act)] if shape.residual else [])
