@@ -513,6 +513,8 @@ def tune_command(
     # where a path says so, never the defaults a real tune would read and resume.
     store = tuned is not None or replayed is None
     if replayed is not None:
+        from mage_gen.tune import IN_MEMORY
+
         storage = storage or IN_MEMORY
         study = study or _replay_study_name(op, shape, space, replayed)
     # Where the winners go is checked before the search, so that nothing is measured in vain.
@@ -541,9 +543,6 @@ def _objective_note(op: Op, shape: Any, run: dict[str, int], objective: str, l2_
     return (f"ranked hot: graph replays with the inputs warm in L2, and at {run} all the bytes fit the GPU's "
             f"{l2_bytes >> 20} MB L2, so this measures the L2; a model's call that reads them from memory is the "
             "cold column (tune with --objective cold to rank by it)")
-
-
-IN_MEMORY = "memory"  # --storage for a study that lives only as long as the command
 
 
 def _replay_study_name(op: Op, shape: Any, space: Any, replayed: Any) -> str:

@@ -53,16 +53,22 @@ class Limit:
     source: str
 
 
-def find_studies(storage: str, op: Op, shape: Any, run: dict[str, int] | None) -> list[str]:
-    """Names of the studies in storage that mage-gen tune made for op and shape (and run, where given)."""
+def _summaries(storage: str) -> list[Any]:
+    # Opening a SQLite URL creates the file and Optuna's tables: a report only reads what a tune left
+    if storage.startswith("sqlite:///") and not Path(storage.removeprefix("sqlite:///")).is_file():
+        raise MageError(f"storage: {storage} does not exist; give the --storage the tune used")
     try:
-        summaries = optuna.get_all_study_summaries(storage=storage, include_best_trial=False)
+        return optuna.get_all_study_summaries(storage=storage, include_best_trial=False)
     except Exception as exc:  # SQLAlchemy and Optuna raise many kinds for a bad or unreachable URL
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise MageError(f"storage: cannot open Optuna storage {storage!r} ({first_line}); "
                         "give the --storage the tune used") from None
+
+
+def find_studies(storage: str, op: Op, shape: Any, run: dict[str, int] | None) -> list[str]:
+    """Names of the studies in storage that mage-gen tune made for op and shape (and run, where given)."""
     found = []
-    for summary in summaries:
+    for summary in _summaries(storage):
         identity = summary.user_attrs.get("identity") or {}
         if (identity.get("op") == op.name and identity.get("shape") == shape_dict(shape)
                 and (run is None or identity.get("run") == run)):
@@ -72,7 +78,7 @@ def find_studies(storage: str, op: Op, shape: Any, run: dict[str, int] | None) -
 
 def study_identity(storage: str, name: str) -> dict[str, Any]:
     """The identity mage-gen tune gave the study; KeyError where the storage has no such study."""
-    for summary in optuna.get_all_study_summaries(storage=storage, include_best_trial=False):
+    for summary in _summaries(storage):
         if summary.study_name == name:
             return summary.user_attrs.get("identity") or {}
     raise KeyError(name)

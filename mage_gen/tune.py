@@ -123,6 +123,9 @@ class TuneResult:
         }
 
 
+IN_MEMORY = "memory"  # the storage of a study that lives only as long as the command (a replay's, by default)
+
+
 def default_storage() -> str:
     folder = Path(platformdirs.user_data_dir("mage-gen"))
     folder.mkdir(parents=True, exist_ok=True)
@@ -136,8 +139,7 @@ def params_key(op: Op, params: Any) -> str:
 def _open_study(name: str, storage: str, sampler: optuna.samplers.BaseSampler, identity: dict[str, Any]
                 ) -> optuna.Study:
     try:
-        # "memory": a study kept only while the command runs (a replay's, unless given a storage)
-        study = optuna.create_study(study_name=name, storage=None if storage == "memory" else storage,
+        study = optuna.create_study(study_name=name, storage=None if storage == IN_MEMORY else storage,
                                     sampler=sampler, direction="minimize", load_if_exists=True)
     except Exception as exc:  # SQLAlchemy and Optuna raise many kinds for a bad or unreachable URL
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
