@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -102,6 +104,8 @@ class ReplayBackend:
 
     def evaluate(self, variant: Any) -> Evaluation:
         self.evaluated.append(variant.source.kernel_name)
+        # the time a measurement takes, where a test needs a worker to be caught mid-trial
+        time.sleep(float(os.environ.get("MAGE_GEN_REPLAY_SECONDS", "0")))
         if variant.source.kernel_name not in self._by_kernel:
             # A config the recording never measured (the space grew since): a failed trial, not a guess.
             return Evaluation(GateResult(False, "replay: the recording has no measurement of this variant",

@@ -468,11 +468,15 @@ def tune_command(
                                                       "stored and emitted only with --tuned"),
     tuned: Optional[Path] = typer.Option(None, "--tuned", help="folder of the tuned/ files that take the winners "
                                                                "(default: $MAGE_GEN_TUNED, else ./tuned)"),
+    gpus: Optional[str] = typer.Option(None, "--gpus", help="measure on these GPUs at once, one worker each: 0,1 "
+                                                            "or all (needs a server --storage, e.g. "
+                                                            "postgresql://USER@HOST/DB); the finalists are "
+                                                            "re-timed on the first"),
     dtype: Optional[str] = DTypeOpt, weight_dtype: Optional[str] = WeightDTypeOpt,
     config: list[str] = typer.Option([], help="the shape's other fields, e.g. residual=true"),
 ) -> None:
-    """Search the space on this GPU, one study per size class: gate every variant, time the ones that pass,
-    store each winner in tuned/ and emit them."""
+    """Search the space on this GPU (or several), one study per size class: gate every variant, time the ones
+    that pass, store each winner in tuned/ and emit them."""
     from mage_gen.backends import ReplayBackend
 
     op = get_op(op_name)
@@ -484,6 +488,13 @@ def tune_command(
         raise MageError(f"objective: use hot or cold, got {objective!r}")
     if study and isinstance(sizes, list) and len(sizes) > 1:
         raise MageError("study: one --study name cannot hold several size classes; leave --study out")
+    from mage_gen import fleet
+
+    chosen_gpus = fleet.gpu_list(gpus) if gpus else None
+    if chosen_gpus and len(chosen_gpus) > 1 and not (storage and fleet.is_server(storage)):
+        raise MageError(f"storage: {len(chosen_gpus)} workers cannot share "
+                        f"{storage or 'the default SQLite storage'}: SQLite is not safe for concurrent writers; "
+                        "give --storage postgresql://USER@HOST/DB")
     space = load_space(op, preset, shape)
     valid, rejected = expand(op, shape, space)
     replayed = ReplayBackend(replay) if replay else None  # a bad --replay file is its own one-line error
@@ -526,7 +537,7 @@ def tune_command(
             err.print(f"tuning {op.name} {shape_dict(shape)} at {run} ({dispatch.regime(op, shape, run, int(device['l2_bytes']))}"
                       " size class)", markup=False, highlight=False)
         _tune_size_class(op, shape, run, space, replayed, seed, objective=objective, trials=trials,
-                         storage=storage, study=study, tuned=tuned, store=store)
+                         storage=storage, study=study, tuned=tuned, store=store, gpus=chosen_gpus)
     if not store:
         out.print("replay: the winner is not stored or emitted; give --tuned DIR (and -o) to keep it, marked as a "
                   "replay")
@@ -534,6 +545,70 @@ def tune_command(
     # A tune's job is the new winner: it replaces what an earlier tune emitted into --out.
     for path in _emit_tuned(op, shape, device["name"], target, out_dir, None, replace=True, directory=tuned):
         print(path)
+
+
+@app.command("worker")
+def worker_command(
+    storage: str = typer.Option(..., help="the study's Optuna storage: a server database, e.g. "
+                                          "postgresql://USER@HOST/DB"),
+    study: str = typer.Option(..., help="the study to join (mage-gen tune prints its name)"),
+    gpus: Optional[str] = typer.Option(None, "--gpus", help="one worker per GPU: 0,1 or all (default: GPU 0)"),
+    seed: int = typer.Option(0, help="seed of the sampler and the random inputs"),
+    replay: Optional[Path] = typer.Option(None, help="answer from a recording of bench/layernorm_trials.py "
+                                                      "instead of the GPU (for testing)"),
+) -> None:
+    """Join a running tune from this host: measure the study's configs until its budget is spent. The tune
+    that made the study re-times the finalists and stores the winner; a worker never writes tuned/."""
+    from mage_gen import fleet
+
+    chosen = fleet.gpu_list(gpus) if gpus else None
+    if chosen and len(chosen) > 1:
+        trouble = fleet.start_workers(storage, study, chosen, seed, ["--replay", str(replay)] if replay else []).wait()
+        for line in trouble:
+            err.print(f"mage-gen: {line}", markup=False)
+        if len(trouble) == len(chosen):
+            raise MageError("worker: every worker failed; see their messages above")
+        return
+    if chosen:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(chosen[0])  # the trial worker, spawned below, sees only it
+    _join(storage, study, seed, replay)
+
+
+def _join(storage: str, study_name: str, seed: int, replay: Path | None) -> None:
+    import optuna
+
+    from mage_gen import fleet
+    from mage_gen.backends import ReplayBackend
+    from mage_gen.tune import _finished, measure, space_id
+    from mage_gen.worker import IsolatedBackend, gpu_backend
+
+    handle = fleet.open_storage(storage, workers=2)  # a worker shares its study: SQLite is refused
+    try:
+        study = optuna.load_study(study_name=study_name, storage=handle)
+    except KeyError:
+        raise MageError(f"worker: {fleet.shown(storage)} holds no study {study_name!r}; start it with mage-gen tune "
+                        "--storage (it prints the study's name)") from None
+    identity, budget = study.user_attrs.get("identity"), study.user_attrs.get("budget")
+    if not identity or not budget:
+        raise MageError(f"worker: study {study_name!r} was not started by mage-gen tune (no identity or budget); "
+                        "join one that was")
+    op = get_op(identity["op"])
+    shape, run = op.shape(**identity["shape"]), identity["run"]
+    space = load_space(op, identity["preset"], shape)
+    if space_id(space) != identity["space"]:
+        raise MageError(f"worker: preset {identity['preset']} of this mage-gen is not the space study "
+                        f"{study_name!r} searches; run the version that started it")
+    backend = ReplayBackend(replay) if replay else IsolatedBackend(partial(gpu_backend, op.name, shape, run, seed))
+    try:
+        here = (backend.device["name"], backend.arch)
+        if here != (identity["gpu"], identity["arch"]):
+            raise MageError(f"worker: study {study_name!r} is for {identity['gpu']} ({identity['arch']}), this is "
+                            f"{here[0]} ({here[1]}); another GPU model tunes a study of its own")
+        measured = measure(op, shape, space, backend, study, int(budget), identity["objective"], seed)
+    finally:
+        backend.close()
+    held = len(_finished(study, op, shape, expand(op, shape, space)[0]))
+    out.print(f"measured {measured} configs of study {study_name}; it holds {held} of its {budget}")
 
 
 def _objective_note(op: Op, shape: Any, run: dict[str, int], objective: str, l2_bytes: int) -> str:
@@ -602,13 +677,24 @@ def _gpu_facts() -> dict[str, Any]:
 
 
 def _tune_size_class(op: Op, shape: Any, run: dict[str, int], space: Any, replayed: Any, seed: int,
-                     tuned: Path | None, store: bool, **search: Any) -> None:
+                     tuned: Path | None, store: bool, gpus: list[int] | None, **search: Any) -> None:
     """One study at one run size, its winner stored in tuned/ under its size class."""
     from mage_gen.tune import tune as tune_search
     from mage_gen.worker import IsolatedBackend, gpu_backend
 
+    from mage_gen import fleet
+
+    if gpus:  # this process measures on the first GPU (its trial worker inherits the pinning), workers on the rest
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpus[0])
     # On the GPU every trial runs in a worker process: a variant that crashes or hangs fails alone.
     backend = replayed or IsolatedBackend(partial(gpu_backend, op.name, shape, run, seed))
+    storage = fleet.open_storage(search["storage"], len(gpus or [0])) if search["storage"] else None
+    started: list[Any] = []
+
+    def helpers(study: Any) -> Any:
+        extra = ["--replay", str(replayed.path)] if replayed is not None else []
+        started.append(fleet.start_workers(search["storage"], study.study_name, gpus[1:], seed, extra))
+        return started[-1]
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, transient=True, disable=not err.is_terminal) as progress:
         trial_task = progress.add_task("compiling", total=None)
@@ -622,9 +708,13 @@ def _tune_size_class(op: Op, shape: Any, run: dict[str, int], space: Any, replay
         try:
             result = tune_search(op, shape, run, space, backend, seed=seed, progress=report,
                                  study_name=search["study"], objective=search["objective"],
-                                 trials=search["trials"], storage=search["storage"])
+                                 trials=search["trials"], storage=storage,
+                                 helpers=helpers if gpus and len(gpus) > 1 else None)
         finally:
             backend.close()
+    for workers in started:
+        for trouble in workers.wait():  # already ended: a dead worker's trials were failed and measured again
+            err.print(f"mage-gen: {trouble}; its trials were measured by the others", markup=False)
     entry = result.entry(op, shape, run, backend.device, search["objective"])
     entry["size_class"] = dispatch.record(op, shape, run, int(backend.device["l2_bytes"]))
     if replayed is not None:

@@ -237,6 +237,12 @@ def _init_driver() -> None:
         raise NoGpuError(f"the CUDA driver did not initialize ({err.name}); running a kernel needs an NVIDIA GPU")
 
 
+def device_count() -> int:
+    """GPUs the driver shows (NoGpuError where there is no driver)."""
+    _init_driver()
+    return int(_check(cu.cuDeviceGetCount(), "cuDeviceGetCount"))
+
+
 @cache
 def device_info(ordinal: int = 0) -> DeviceInfo:
     """What device `ordinal` is; touches no context."""

@@ -14,7 +14,11 @@ import datetime
 import functools
 import hashlib
 import json
+import os
 import random
+import socket
+import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +26,7 @@ from typing import Any
 
 import optuna
 import platformdirs
+from optuna.storages._heartbeat import get_heartbeat_thread, is_heartbeat_enabled
 
 from mage_gen import __version__
 from mage_gen.backends import Backend
@@ -34,6 +39,10 @@ from mage_gen.timing import Timing
 from mage_gen.variants import Variant, build, prebuild
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)  # the CLI reports progress itself
+# fail_stale_trials is marked experimental; it is what study.optimize itself calls to recover dead workers' trials
+warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+# measure() keeps the heartbeats itself, as study.optimize does (ask and tell alone would not)
+warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
 
 EXHAUSTIVE_LIMIT = 64
 DEFAULT_TPE_TRIALS = 96
@@ -42,6 +51,9 @@ FINALISTS = 5
 # try most of them, and compiling them all in parallel first is cheaper than one at a time.
 _PREBUILD_PER_TRIAL = 4
 _STALLS_BEFORE_FILL = 3  # proposals in a row that measure nothing before an unmeasured config is enqueued
+_DRAIN_POLL_S = 0.5
+_CLAIM_SETTLE_S = 0.2  # longer than a trial takes to reach a server storage once asked
+WORKER = f"{socket.gethostname()}:{os.getpid()}"  # which process measured a trial
 _ASK_LIMIT = 50  # proposals per config of budget: past it the study is broken (waiting trials piling up)
 
 
@@ -161,9 +173,19 @@ def _open_study(name: str, storage: str, sampler: optuna.samplers.BaseSampler, i
     return study
 
 
+def space_id(space: Space) -> str:
+    """Optuna cannot reopen a study whose categorical choices changed: the space is part of its identity."""
+    axes = {axis: list(values) for axis, values in space.axes}
+    return hashlib.sha256(json.dumps(axes, sort_keys=True).encode()).hexdigest()[:8]
+
+
 def tune(op: Op, shape: Any, run: dict[str, int], space: Space, backend: Backend, *, objective: str = "hot",
-         trials: int | None = None, storage: str | None = None, study_name: str | None = None, seed: int = 0,
-         progress: Callable[[str, int, int], None] | None = None) -> TuneResult:
+         trials: int | None = None, storage: Any = None, study_name: str | None = None, seed: int = 0,
+         progress: Callable[[str, int, int], None] | None = None,
+         helpers: Callable[[optuna.Study], Any] | None = None) -> TuneResult:
+    """Search, then re-time the finalists beside the peers. storage: a URL or an Optuna storage. helpers: called
+    with the opened study, it starts other workers on it (fleet.py) and returns a handle whose wait() is called
+    before the final round; their trials count towards the same budget."""
     if objective not in ("hot", "cold"):
         raise ConfigError(f"objective: must be 'hot' or 'cold', got {objective!r}")
     valid, rejected = expand(op, shape, space)
@@ -173,52 +195,96 @@ def tune(op: Op, shape: Any, run: dict[str, int], space: Space, backend: Backend
                           "(--preset full) may hold some")
     exhaustive = len(valid) <= EXHAUSTIVE_LIMIT
     budget = min(trials or (len(valid) if exhaustive else DEFAULT_TPE_TRIALS), len(valid))  # configs in all
-    sampler = optuna.samplers.TPESampler(seed=seed) if not exhaustive else optuna.samplers.RandomSampler(seed=seed)
-    axes = {axis: list(values) for axis, values in space.axes}
-    # Optuna cannot reopen a study whose categorical choices changed: the space is part of its identity.
-    space_id = hashlib.sha256(json.dumps(axes, sort_keys=True).encode()).hexdigest()[:8]
     identity = {"op": op.name, "shape": shape_dict(shape), "run": run, "objective": objective, "arch": backend.arch,
-                "gpu": backend.device["name"], "preset": space.preset, "space": space_id}
+                "gpu": backend.device["name"], "preset": space.preset, "space": space_id(space)}
     name = study_name or "{op}-{shape}-m{m}-{gpu}-{arch}-{objective}-{preset}-{space}".format(
         op=op.name, shape=op.slug(shape), m="x".join(map(str, run.values())), objective=objective,
-        gpu=backend.device["name"].replace(" ", "_"), arch=backend.arch, preset=space.preset, space=space_id)
-    study = _open_study(name, storage or default_storage(), sampler, identity)
-    distributions = {axis: optuna.distributions.CategoricalDistribution(values) for axis, values in space.axes}
+        gpu=backend.device["name"].replace(" ", "_"), arch=backend.arch, preset=space.preset, space=identity["space"])
+    study = _open_study(name, storage or default_storage(), _sampler(exhaustive, seed), identity)
+    study.set_user_attr("budget", budget)  # what a worker joining the study measures towards
+    from_earlier_runs = len(_finished(study, op, shape, valid))
+    # Compile in parallel, up front, what the search will measure (all of it when exhaustive; every unmeasured
+    # config where TPE will try most of them); each trial then finds its variant in the cache.
+    unmeasured = [p for k, p in _keys(op, valid).items() if k not in _finished(study, op, shape, valid)]
+    left = budget - from_earlier_runs
+    ahead = unmeasured[:left] if exhaustive else (unmeasured if len(unmeasured) <= _PREBUILD_PER_TRIAL * left else [])
+    prebuild(op, shape, ahead, backend.arch, progress=(lambda i, n: progress("compiling", i, n)) if progress else None)
+    others = helpers(study) if helpers else None
+    try:
+        # with other workers, what they claimed is waited for: finished, or failed for a dead worker and retried
+        measured = measure(op, shape, space, backend, study, budget, objective, seed, progress,
+                           drain=others is not None)
+    finally:
+        if others is not None:
+            others.wait()
+    done = _finished(study, op, shape, valid)
+    return _finish(op, shape, study, done, valid, rejected, backend, objective, measured, from_earlier_runs,
+                   "exhaustive" if exhaustive else "tpe", progress)
 
-    valid_keys = {params_key(op, p): p for p in valid}
 
-    @functools.cache
-    def source_hash(key: str) -> str:  # rendered only for configs a trial or an earlier run touches
-        return op.source(shape, valid_keys[key]).source_hash
+def _sampler(exhaustive: bool, seed: int) -> optuna.samplers.BaseSampler:
+    return optuna.samplers.RandomSampler(seed=seed) if exhaustive else optuna.samplers.TPESampler(seed=seed)
 
+
+def _keys(op: Op, valid: list[Any]) -> dict[str, Any]:
+    return {params_key(op, p): p for p in valid}
+
+
+def _finished(study: optuna.Study, op: Op, shape: Any, valid: list[Any]) -> dict[str, Outcome]:
+    """The valid configs the study has measured, from any worker or earlier run: {params key: outcome}. A
+    result measured from another kernel text is stale (as is one recorded before the text was hashed), and a
+    trial failed for want of a heartbeat (its worker died) measured nothing: those are measured again."""
+    keys = _keys(op, valid)
     done: dict[str, Outcome] = {}
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)):
         key = t.user_attrs.get("params_key")
-        # A result measured from another kernel text is stale (as is one recorded before the text was hashed):
-        # that config is measured again.
-        if key in valid_keys and t.user_attrs.get("source_hash") == source_hash(key):
-            done.setdefault(key, Outcome.of(t))
-    from_earlier_runs = len(done)
-    unmeasured = [k for k in valid_keys if k not in done]
-    # Compile in parallel, up front, what the search will measure (all of it when exhaustive; every unmeasured
-    # config where TPE will try most of them); each trial then finds its variant in the cache.
-    ahead = unmeasured[:budget - len(done)] if exhaustive else (
-        unmeasured if len(unmeasured) <= _PREBUILD_PER_TRIAL * (budget - len(done)) else [])
-    prebuild(op, shape, [valid_keys[k] for k in ahead], backend.arch,
-             progress=(lambda i, n: progress("compiling", i, n)) if progress else None)
-    fill = random.Random(seed)
+        if key not in keys or key in done:
+            continue
+        if t.state == optuna.trial.TrialState.FAIL and "reason" not in t.user_attrs:
+            continue
+        if t.user_attrs.get("source_hash") == _source_hash(op, shape, keys[key]):
+            done[key] = Outcome.of(t)
+    return done
 
+
+@functools.lru_cache(maxsize=4096)
+def _source_hash(op: Op, shape: Any, params: Any) -> str:  # rendered only for configs a trial touches
+    return op.source(shape, params).source_hash
+
+
+def measure(op: Op, shape: Any, space: Space, backend: Backend, study: optuna.Study, budget: int, objective: str,
+            seed: int, progress: Callable[[str, int, int], None] | None = None, drain: bool = False) -> int:
+    """Ask, claim, measure and tell until the study holds `budget` measured configs, counting those other
+    workers hold; returns how many this worker measured. Safe for many workers on one study: a config is
+    measured by the worker whose trial claimed it first (the lowest trial number among the running ones).
+    drain: once the rest is claimed, wait for those claims to finish (or fail, their worker dead, and be
+    retried) instead of returning."""
+    valid, _ = expand(op, shape, space)
+    valid_keys = _keys(op, valid)
+    exhaustive = len(valid) <= EXHAUSTIVE_LIMIT
+    distributions = {axis: optuna.distributions.CategoricalDistribution(values) for axis, values in space.axes}
+    fill = random.Random(seed)
     measured = stalls = asks = 0
-    # The budget counts every config the study has measured, so a rerun finishes an interrupted search.
-    while len(done) < budget:
+    while True:
+        optuna.storages.fail_stale_trials(study)  # a dead worker's trial: failed, its config enqueued again
+        done = _finished(study, op, shape, valid)
+        running = _claims(study)
+        if len(done) >= budget:
+            break
+        if len(done) + len(set(running.values()) - set(done)) >= budget:
+            if not drain:
+                break
+            time.sleep(_DRAIN_POLL_S)
+            continue
         asks += 1
         if asks > _ASK_LIMIT * budget:
-            raise MageError(f"tune: study {name} made {asks} proposals without reaching {budget} configs; "
+            raise MageError(f"tune: study {study.study_name} made {asks} proposals without reaching {budget} configs; "
                             "start a new one with --study NAME")
         if exhaustive or stalls >= _STALLS_BEFORE_FILL:
             # In order when exhaustive; when TPE keeps proposing measured or rejected configs, an unmeasured one.
-            remaining = [k for k in unmeasured if k not in done]
-            study.enqueue_trial(json.loads(remaining[0] if exhaustive else fill.choice(remaining)))
+            remaining = [k for k in valid_keys if k not in done and k not in running.values()]
+            if remaining:
+                study.enqueue_trial(json.loads(remaining[0] if exhaustive else fill.choice(remaining)))
             stalls = 0
         trial = study.ask(distributions)
         params = op.params_from_dict(dict(trial.params))
@@ -242,21 +308,66 @@ def tune(op: Op, shape: Any, run: dict[str, int], space: Space, backend: Backend
                 study.tell(trial, earlier.value)
             stalls += 1
             continue
+        trial.set_user_attr("claim", key)
+        why = _yields(study, trial, key, budget, op, shape, valid)
+        if why is None and _shared(study):
+            # A trial asked just before this one may reach the storage a moment later: look again once it has.
+            time.sleep(_CLAIM_SETTLE_S)
+            why = _yields(study, trial, key, budget, op, shape, valid)
+        if why is not None:
+            trial.set_user_attr("yielded", why)
+            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+            stalls += not why.startswith("the budget")
+            continue
         trial.set_user_attr("params_key", key)
-        trial.set_user_attr("source_hash", source_hash(key))
-        value, kernel, reason = _measure(op, shape, params, backend, trial, objective)
+        trial.set_user_attr("source_hash", _source_hash(op, shape, params))
+        trial.set_user_attr("worker", WORKER)
+        # As study.optimize does (ask and tell do not): where the storage keeps heartbeats, a worker that dies
+        # leaves a trial fail_stale_trials marks failed after the grace period.
+        with get_heartbeat_thread(trial._trial_id, study._storage):
+            value, kernel, reason = _measure(op, shape, params, backend, trial, objective)
         if value is None:
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
         else:
             study.tell(trial, value)
-        done[key] = Outcome(trial=trial.number, value=value, kernel=kernel, reason=reason)
         measured += 1
         stalls = 0
         if progress:
-            progress("trials", len(done), budget)
+            progress("trials", len(done) + 1, budget)
+    return measured
 
-    return _finish(op, shape, study, done, valid, rejected, backend, objective, measured, from_earlier_runs,
-                   "exhaustive" if exhaustive else "tpe", progress)
+
+def _yields(study: optuna.Study, trial: optuna.Trial, key: str, budget: int, op: Op, shape: Any,
+            valid: list[Any]) -> str | None:
+    """Why this trial must leave its config to another, or None. Running trials count in the order they were
+    asked (an enqueued trial's number is older than its asking), which every worker reads alike from the
+    storage: the first to ask for a config measures it, and trials asked before this one take the budget
+    first; one not yet claiming counts as if it will (this one asks again if that was wrong)."""
+    running = {(t.datetime_start, t.number): t.user_attrs.get("claim")
+               for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))}
+    mine = next(order for order in running if order[1] == trial.number)
+    holder = min((order for order, k in running.items() if k == key), default=mine)
+    if holder < mine:
+        return f"claimed by trial {holder[1]}"
+    ahead = {k if k is not None else f"#{order[1]}" for order, k in running.items() if order < mine}
+    finished = _finished(study, op, shape, valid)
+    if key in finished:
+        return "measured by another worker since it was asked"
+    if len(finished) + len(ahead - set(finished)) >= budget:
+        return "the budget is taken by trials asked before it"
+    return None
+
+
+def _shared(study: optuna.Study) -> bool:
+    """Whether other workers may be asking this study: a server storage, which keeps heartbeats."""
+    return is_heartbeat_enabled(study._storage)
+
+
+def _claims(study: optuna.Study) -> dict[int, str]:
+    """The configs running trials have claimed: {trial number: params key}."""
+    return {t.number: t.user_attrs["claim"] for t in study.get_trials(deepcopy=False,
+                                                                      states=(optuna.trial.TrialState.RUNNING,))
+            if "claim" in t.user_attrs}
 
 
 def _measure(op: Op, shape: Any, params: Any, backend: Backend, trial: optuna.Trial, objective: str
