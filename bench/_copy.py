@@ -63,10 +63,17 @@ def copy_subjects(nbytes: int) -> list[TorchSubject]:
     return picked
 
 
-def copy_floor(table: dict[str, Timing]) -> tuple[str, Timing]:
-    """The fastest copy in one method's timings: its name and timing."""
-    name = min((n for n in table if n.startswith(FLOOR + "/")), key=lambda n: table[n].median_us)
-    return name, table[name]
+def settle(copies: list[TorchSubject], *tables: dict[str, Timing]) -> dict[str, str]:
+    """After the rounds: the copies closed, and each method's table given its floor (FLOOR), the fastest copy
+    in it; returns which copy that was, per method."""
+    for copy in copies:
+        copy.close()
+    fastest = {}
+    for table in tables:
+        name = min((n for n in table if n.startswith(FLOOR + "/")), key=lambda n: table[n].median_us)
+        table[FLOOR] = table[name]
+        fastest[table[name].method] = name
+    return fastest
 
 
 METHOD = ("the fastest of the copies of the same bytes (half read, half written): Triton copy kernels over "

@@ -27,7 +27,7 @@ from mage_gen.peers import TorchSubject, make_peers
 from mage_gen.timing import Timing
 from mage_gen.variants import build
 
-from _copy import FLOOR, copy_floor, copy_subjects  # bench/_copy.py
+from _copy import FLOOR, copy_subjects, settle  # bench/_copy.py
 from _copy import METHOD as COPY_METHOD
 from _common import geomean, provenance, timing_method, winner_params, write_result  # bench/_common.py, beside this script
 
@@ -82,11 +82,7 @@ def bench_shape(op, m: int, d: int, params, device, copy_bytes_per_us: float) ->
         hot = interleave(everyone, "hot", ROUNDS, PER_ROUND)
         cold = interleave(everyone, "cold", ROUNDS, PER_ROUND)
         subject.close()
-        for floor in floors:
-            floor.close()
-        copy_is = {}
-        for table in (hot, cold):
-            copy_is[table["mage-gen"].method], table[FLOOR] = copy_floor(table)
+        copy_is = settle(floors, hot, cold)
     finally:
         kernel.unload()
     moved = op.bytes_moved(shape, run)

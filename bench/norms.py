@@ -22,7 +22,7 @@ from mage_gen.ops import get_op
 from mage_gen.peers import make_peers
 from mage_gen.variants import build
 
-from _copy import FLOOR, copy_floor, copy_subjects  # bench/_copy.py
+from _copy import FLOOR, copy_subjects, settle  # bench/_copy.py
 from _copy import METHOD as COPY_METHOD
 from _common import geomean, provenance, timing_method, winner_params, write_result  # bench/_common.py, beside this script
 
@@ -60,11 +60,7 @@ def bench_shape(op, shape, m: int, params, device) -> dict:
         hot = interleave(everyone, "hot", ROUNDS, PER_ROUND)
         cold = interleave(everyone, "cold", ROUNDS, PER_ROUND)
         subject.close()
-        for copy in copies:
-            copy.close()
-        floors = {}
-        for table in (hot, cold):
-            floors[table["mage-gen"].method], table[FLOOR] = copy_floor(table)
+        floors = settle(copies, hot, cold)
     finally:
         kernel.unload()
     result = {

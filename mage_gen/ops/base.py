@@ -86,6 +86,11 @@ class TiledProduct:
     (params bm, bn, threads; the op gives shared_bytes), no run size, no scalars."""
 
     name: str
+    min_arch: int
+
+    def min_arch_of(self, shape: Any) -> int:
+        """A product's sizes ask nothing of the arch beyond what its templates do."""
+        return self.min_arch
 
     def shared_bytes(self, shape: Any, p: Any) -> int:
         raise NotImplementedError

@@ -280,9 +280,6 @@ class Matmul(TiledProduct):
         return {"A": rng.standard_normal((shape.m, shape.k), dtype=np.float32),
                 "B": rng.standard_normal((shape.k, shape.n), dtype=np.float32)}
 
-    def min_arch_of(self, shape: Shape) -> int:
-        return self.min_arch
-
     def args(self, shape: Shape) -> tuple[Arg, ...]:
         return self._args
 

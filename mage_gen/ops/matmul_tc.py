@@ -201,9 +201,6 @@ class MatmulTC(TiledProduct):
     def shape_key(self, shape: Shape) -> str:
         return f"m={shape.m},n={shape.n},k={shape.k}/{shape.precision}"
 
-    def min_arch_of(self, shape: Shape) -> int:
-        return self.min_arch
-
     def args(self, shape: Shape) -> tuple[Arg, ...]:
         element = _ELEMENT[shape.precision].name
         return (Arg("C", "out"), Arg("A", "in", element), Arg("B", "in", element))
