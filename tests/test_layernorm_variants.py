@@ -8,14 +8,14 @@ from hypothesis import strategies as st
 
 from mage_gen.errors import ConfigError
 from mage_gen.ops import get_op
-from mage_gen.ops.layernorm import HINTS, RSQRT_MODES, STATS, TEMPLATES, WEIGHTS, Params
+from mage_gen.ops.layernorm import HINTS, HOLDS, RSQRT_MODES, STATS, TEMPLATES, WEIGHTS, Params
 from mage_gen.space import expand, load_space
 from mage_gen.variants import build, build_all
 
 OP = get_op("layernorm")
 RULES = {"d-range", "template", "threads-multiple-of-32", "threads-range", "vector-width", "rsqrt", "hint",
          "rows-per-block", "block-size", "idle-threads", "registers", "stats", "grid-cap", "wide-options", "weights",
-         "min-blocks"}
+         "min-blocks", "hold"}
 
 params_strategy = st.builds(
     Params,
@@ -29,6 +29,7 @@ params_strategy = st.builds(
     grid_cap=st.sampled_from([0, 0, 132, 528]),
     weights=st.sampled_from(WEIGHTS),
     min_blocks=st.sampled_from([1, 1, 2, 3, 4, 0, 9]),  # the last two are refused
+    hold=st.sampled_from(HOLDS),  # packed: refused for these fp32 rows
 )
 
 

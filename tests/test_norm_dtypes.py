@@ -170,3 +170,43 @@ def test_the_cli_takes_dtypes_and_the_residual_form():
     assert "Traceback" not in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
     clash = mage_gen("inspect", "layernorm", "--d", "768", "--dtype", "bf16", "--config", "dtype=fp16")
     assert clash.returncode == 2 and "disagree" in clash.stderr
+
+
+@pytest.mark.parametrize("op", [LN, RMS], ids=["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_a_row_held_packed_is_widened_in_each_pass_and_still_exact(op, residual):
+    shape = op.shape(d=512, dtype="bf16", residual=residual)
+    packed = build(op, shape, op.params_from_dict({"threads": 64, "vector": 16, "hold": "packed"}), "sm_90")
+    floats = build(op, shape, op.params_from_dict({"threads": 64, "vector": 16}), "sm_90")
+    assert packed.source.kernel_name == floats.source.kernel_name + "_hpack"
+    assert "unsigned cur[1][4];" in packed.source.text and "float cur[1][8];" in floats.source.text
+    # 8 elements of the row per thread: each pass over the held row widens them again (layer norm: mean,
+    # squares, output; RMSNorm: squares, output), where a float row is widened once (the residual form's
+    # rounded sum too: as it is stored, where packed)
+    passes = 3 if op is LN else 2
+    extra = packed.census.half_widen - floats.census.half_widen
+    assert extra == 8 * (passes - 1), (packed.census.half_widen, floats.census.half_widen)
+    assert packed.census.half_narrow == floats.census.half_narrow
+    for m in (1, 3):
+        result = interp.gate(op, shape, packed, {"m": m}, np.random.default_rng(m))
+        assert result.passed, result.reason  # residual_out bit for bit: the held row is the sum it stored
+
+
+def test_holding_a_row_packed_frees_the_registers_of_more_rows_per_sm():
+    # six 128-thread blocks of d = 8192 per SM leave 80 registers a thread: a row of 64 floats spills there,
+    # the same row held as 32 packed words does not
+    shape = RMS.shape(d=8192, dtype="bf16")
+    built = {hold: build(RMS, shape, RMS.params_from_dict({"threads": 128, "vector": 16, "min_blocks": 6,
+                                                           "hold": hold}), "sm_90") for hold in ("float", "packed")}
+    assert built["float"].census.spill_bytes > 0 and built["packed"].census.spill_bytes == 0
+    assert built["packed"].census.registers <= 80
+
+
+@pytest.mark.parametrize("dims, values, rule", [
+    ({"d": 4096}, {"hold": "packed"}, "^hold: only a 16-bit row"),
+    ({"d": 1026, "dtype": "bf16"}, {"hold": "packed", "vector": 16}, "^hold: a packed row is held in whole vectors"),
+    ({"d": 4096, "dtype": "bf16"}, {"hold": "packed", "template": "wide"}, "^wide-options:"),
+])
+def test_a_row_that_cannot_be_held_packed_is_refused(dims, values, rule):
+    with pytest.raises(ConfigError, match=rule):
+        LN.validate(LN.shape(**dims), LN.params_from_dict(values))

@@ -39,6 +39,7 @@ RSQRT_MODES = ("approx", "exact")
 STATS = ("two_pass", "one_pass")
 HINTS = ("none", "nc", "stream")
 WEIGHTS = ("late", "early")
+HOLDS = ("float", "packed")
 MAX_D = 1 << 20
 # The kernels count rows and row groups in int: (M + R - 1) / R and a group's last row must not overflow.
 MAX_ROWS = 2**31 - 1024
@@ -80,10 +81,14 @@ class Params:
     # blocks each SM must hold at once (__launch_bounds__' second argument): ptxas fits the registers to it,
     # so that more rows are in flight where registers, not threads, limit the blocks per SM
     min_blocks: int = 1
+    # float: the row held in registers as floats; packed: a 16-bit row held as loaded, two elements to a
+    # register, widened again for each pass over it (half the registers, so more rows in flight per SM)
+    hold: str = "float"
 
     def label(self) -> str:
         extra = ((" one_pass" if self.stats == "one_pass" else "") + (f" grid≤{self.grid_cap}" if self.grid_cap else "")
-                 + (" w-early" if self.weights == "early" else "") + (f" B≥{self.min_blocks}" if self.min_blocks > 1 else ""))
+                 + (" w-early" if self.weights == "early" else "") + (f" B≥{self.min_blocks}" if self.min_blocks > 1 else "")
+                 + (" held-packed" if self.hold == "packed" else ""))
         return (f"{self.template} T{self.threads} V{self.vector}B R{self.rows_per_block} "
                 f"{self.rsqrt} {self.hint}{extra}")
 
@@ -191,15 +196,24 @@ class LayerNorm:
             raise ConfigError(f"grid-cap: grid_cap is 0 (a block per row group) or a block count, got {p.grid_cap!r}")
         if p.weights not in WEIGHTS:
             raise ConfigError(f"weights: weights must be one of {WEIGHTS}, got {p.weights!r}")
-        if p.template == "wide" and (p.grid_cap or p.stats != "two_pass" or p.weights != "late" or p.min_blocks != 1):
-            raise ConfigError("wide-options: template wide takes no grid_cap and leaves stats, weights and min_blocks "
-                              "at their defaults (two_pass, late, 1): it always merges with Chan's formula, one block "
-                              "per row")
+        if p.hold not in HOLDS:
+            raise ConfigError(f"hold: hold must be one of {HOLDS}, got {p.hold!r}")
+        if p.template == "wide" and (p.grid_cap or p.stats != "two_pass" or p.weights != "late" or p.min_blocks != 1
+                                     or p.hold != "float"):
+            raise ConfigError("wide-options: template wide takes no grid_cap and leaves stats, weights, min_blocks "
+                              "and hold at their defaults (two_pass, late, 1, float): it always merges with Chan's "
+                              "formula, one block per row, and holds no row")
         if not isinstance(p.min_blocks, int) or not 1 <= p.min_blocks <= 8:
             raise ConfigError(f"min-blocks: min_blocks is the blocks per SM to fit, 1..8, got {p.min_blocks!r}")
         if t * p.rows_per_block * p.min_blocks > MAX_THREADS_PER_SM:
             raise ConfigError(f"min-blocks: {p.min_blocks} blocks of {t * p.rows_per_block} threads exceed the "
                               f"{MAX_THREADS_PER_SM} threads an SM holds; use fewer blocks or threads")
+        if p.hold == "packed" and not act.half:
+            raise ConfigError(f"hold: only a 16-bit row can be held packed, this one is {act.short}; leave hold at "
+                              "float")
+        if p.hold == "packed" and d % v:
+            raise ConfigError(f"hold: a packed row is held in whole vectors, so vector ({v} elements) must divide "
+                              f"d={d}; use hold float or a narrower vector")
         if p.weights == "early" and d % v:
             raise ConfigError(f"weights: early weights need every row's vectors at the same columns, so vector "
                               f"({v} elements) must divide d={d}; use weights late or a narrower vector")
@@ -221,7 +235,7 @@ class LayerNorm:
             # a persistent block holds its next rows too; a residual row is two tensors until they are added
             unit = 2 if act.half else 1
             values = ((self._slots(shape, p) * v + (2 * unit if d % v else 0)) * (2 if p.grid_cap else 1)
-                      * (2 if shape.residual else 1))
+                      * (2 if shape.residual else 1)) // (2 if p.hold == "packed" else 1)
             if p.weights == "early":  # held as loaded: a 16-bit pair per register
                 weight = element_type(shape.weight_dtype)
                 values += self._slots(shape, p) * v * len(self._weight_tensors()) // (2 if weight.half else 1)
@@ -259,7 +273,7 @@ class LayerNorm:
         return (f"layernorm_{p.template}_d{shape.d}{self._type_tag(shape)}_t{p.threads}_v{self._elements(shape, p)}_r{p.rows_per_block}"
                 f"_{p.rsqrt}_{p.hint}" + ("_onepass" if p.stats == "one_pass" else "")
                 + (f"_g{p.grid_cap}" if p.grid_cap else "") + ("_wearly" if p.weights == "early" else "")
-                + (f"_b{p.min_blocks}" if p.min_blocks > 1 else ""))
+                + (f"_b{p.min_blocks}" if p.min_blocks > 1 else "") + ("_hpack" if p.hold == "packed" else ""))
 
     def _type_tag(self, shape: Shape) -> str:
         """'' for fp32 without residual (the names of every kernel tuned before dtypes), else e.g. _bf16_wf32_res."""
@@ -281,6 +295,8 @@ class LayerNorm:
             X_HINT_PASS1="nc" if p.hint != "none" else "", X_HINT_PASS2=x_hint, UNROLL=4, NORM=self.norm,
             ACT=act.c_type, XDT=act.ptx, WT=weight.c_type, WDT=weight.ptx, U=2 if act.half else 1,
             WU=2 if weight.half else 1, RESIDUAL=shape.residual,
+            HOLD_PACKED=p.hold == "packed", HELD_TYPE="unsigned" if p.hold == "packed" else "float",
+            HELD_WORDS=v // 2 if p.hold == "packed" else v, HELD_ZERO="0u" if p.hold == "packed" else "0.f",
             MIN_BLOCKS=p.min_blocks, WB_EARLY=p.weights == "early", WB_TENSORS=self._weight_tensors(), WB_RAW=v // (2 if weight.half else 1),
         )
 
