@@ -25,6 +25,9 @@ except ImportError:
     triton = None
 
 TRITON_WARPS = (2, 4, 8, 16)
+# The most bytes of a row the one-program-per-row Triton peer holds (Triton's own layer-norm tutorial stops at
+# 64 KB): past it the block spills and its compile alone takes minutes.
+TRITON_ROW_BYTES = 65536
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). An ieee fp32 tl.dot is CUDA-core FMAs, not tensor
 # cores: 64-128 tiles with 32-64 accumulators a thread (ptxas, sm_90: 96-254 registers, no spills), BLOCK_K
 # 16-32 so the 2-4 cp.async stages take 16-72 KB of shared memory, and 128×64 and 64×64 tiles so that a
@@ -164,10 +167,10 @@ def to_torch(array: np.ndarray, dtype: DType) -> Any:
 
 
 def _row_norm_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float, torch_fn: str,
-                         triton_kernel: Any, inductor: bool) -> dict[str, list[TorchSubject]]:
+                         triton_kernel: Any, inductor: bool) -> dict[str, list[TorchSubject] | str]:
     """torch's norm as a model calls it (`x + residual` first, in the residual form), the same code compiled
     by Inductor, and the Triton kernel (one program per row) at each num_warps. Each returns y, or
-    (y, residual_out)."""
+    (y, residual_out). A family that cannot run this shape is the reason why, in place of its subjects."""
     tensors = {name: to_torch(array, element_type(shape.weight_dtype if name in ("w", "b") else shape.dtype))
                for name, array in inputs.items()}
     x, residual = tensors["x"], tensors.get("residual")
@@ -191,7 +194,10 @@ def _row_norm_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float, 
         compiled = torch.compile(eager, dynamic=False, fullgraph=True)
         candidates["inductor"] = [TorchSubject("inductor", lambda: compiled(x, residual, *weights),
                                                {"fn": f"torch.compile of the eager {torch_fn}"})]
-    if triton is not None:
+    if triton is not None and triton.next_power_of_2(d) * x.element_size() > TRITON_ROW_BYTES:
+        candidates["triton"] = (f"a row of {d} {x.dtype} is more than the {TRITON_ROW_BYTES} bytes one Triton "
+                                "program holds")
+    elif triton is not None:
         block = triton.next_power_of_2(d)
 
         def triton_run(warps: int) -> Callable[[], Any]:
@@ -345,6 +351,9 @@ def make_peers(op: Op, shape: Any, run: dict[str, int], inputs: dict[str, np.nda
     chosen = []
     names = list(op.output_shapes(shape, run))
     for family, subjects in _CANDIDATES[op.name](shape, inputs, float(scalars.get("eps", 0.0)), inductor).items():
+        if isinstance(subjects, str):
+            missing[family] = subjects
+            continue
         passing = []
         for subject in subjects:
             try:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import math
+import random
 import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,6 +21,10 @@ class Space:
     op: str
     preset: str
     axes: tuple[tuple[str, tuple[Any, ...]], ...]  # ordered (name, values)
+
+    def narrowed(self, **values: tuple[Any, ...]) -> Space:
+        """The same space with some axes given fewer values."""
+        return Space(self.op, self.preset, tuple((name, tuple(values.get(name, v))) for name, v in self.axes))
 
     def combinations(self) -> Iterator[dict[str, Any]]:
         names = [name for name, _ in self.axes]
@@ -68,3 +74,23 @@ def expand(op: Op, shape: Any, space: Space) -> tuple[list[Any], list[tuple[Any,
         else:
             valid.append(params)
     return valid, rejected
+
+
+def draw(op: Op, shape: Any, space: Space, rng: random.Random, attempts: int = 50_000) -> Any | None:
+    """One valid params of the space, each equally likely, or None if `attempts` combinations drawn at random were
+    all invalid: a full space has 10⁵ combinations and more, too many to expand for every example a test draws."""
+    names = [name for name, _ in space.axes]
+    sizes = [len(values) for _, values in space.axes]
+    total = math.prod(sizes)
+    for _ in range(attempts):
+        index, values = rng.randrange(total), {}
+        for name, (_, axis) in zip(names, space.axes):
+            index, at = divmod(index, len(axis))
+            values[name] = axis[at]
+        params = op.params_from_dict(values)
+        try:
+            op.validate(shape, params)
+        except ConfigError:
+            continue
+        return params
+    return None

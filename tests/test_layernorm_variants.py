@@ -1,5 +1,6 @@
 """Every layer-norm variant either is rejected by a named rule or compiles to what it asked for."""
 
+import random
 import re
 
 import pytest
@@ -9,7 +10,7 @@ from hypothesis import strategies as st
 from mage_gen.errors import ConfigError
 from mage_gen.ops import get_op
 from mage_gen.ops.layernorm import HINTS, HOLDS, RSQRT_MODES, STATS, TEMPLATES, WEIGHTS, Params
-from mage_gen.space import expand, load_space
+from mage_gen.space import draw, expand, load_space
 from mage_gen.variants import build, build_all
 
 OP = get_op("layernorm")
@@ -167,3 +168,16 @@ def test_row_length_out_of_range_is_rejected(d):
 def test_source_is_rejected_before_rendering():
     with pytest.raises(ConfigError, match="^threads-multiple-of-32"):
         OP.source(OP.shape(d=768), Params(threads=100))
+
+
+def test_a_drawn_config_is_valid_and_every_valid_one_can_be_drawn():
+    # the full space is 10⁵ combinations and more: tests draw from it without expanding it for every example
+    shape = OP.shape(d=1000)
+    space = load_space(OP, "full").narrowed(template=("row", "multirow"), threads=(32, 64, 96), rows_per_block=(1, 2),
+                                           hint=("nc",), grid_cap=(0,), min_blocks=(1, 2))
+    valid, rejected = expand(OP, shape, space)
+    assert valid and rejected
+    rng = random.Random(0)
+    drawn = [draw(OP, shape, space, rng) for _ in range(40 * len(valid))]
+    assert set(drawn) == set(valid)
+    assert draw(OP, shape, space.narrowed(threads=(33,)), rng, attempts=100) is None  # no valid combination
