@@ -1,0 +1,57 @@
+"""On the GPU: tensor-core matmul variants drawn from the whole space, with tails, at each precision compute
+A·B within their precision's tolerance, and the gate rejects the planted pipeline bugs there as the CPU
+interpreter does (tests/test_matmul_tc.py). Skipped without a CUDA driver."""
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, reject, settings
+from hypothesis import strategies as st
+
+from mage_gen import gpu
+from mage_gen.measure import gate
+from mage_gen.ops import get_op
+from mage_gen.space import draw, load_space
+from mage_gen.variants import build
+
+pytestmark = pytest.mark.gpu
+OP = get_op("matmul_tc")
+
+
+def run_gate(device, stream, shape, params, seed=0):
+    variant = build(OP, shape, params, device.arch)
+    launch = OP.geometry(shape, params, {})
+    kernel = gpu.Kernel(variant.compiled.cubin, variant.source.kernel_name, launch.dynamic_shared_bytes)
+    try:
+        return gate(OP, shape, params, kernel, {}, np.random.default_rng(seed), stream)
+    finally:
+        kernel.unload()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_drawn_variants_match_the_float64_reference(device, stream, data):
+    precision = data.draw(st.sampled_from(["bf16", "tf32", "fp32x3"]), label="precision")
+    even = 2 if precision == "bf16" else 1  # a bf16 row is read at least 4 bytes at a time
+    dims = st.one_of(st.integers(1, 160), st.sampled_from([64, 128, 1000]))
+    m = data.draw(dims, label="m")
+    n, k = (even * -(-data.draw(dims, label=name) // even) for name in ("n", "k"))
+    shape = OP.shape(m=m, n=n, k=k, precision=precision)
+    space = load_space(OP, "full", shape)
+    params = draw(OP, shape, space, random.Random(data.draw(st.integers(0, 2**32 - 1), label="params seed")))
+    if params is None:
+        reject()
+    result = run_gate(device, stream, shape, params, data.draw(st.integers(0, 2**32 - 1), label="seed"))
+    assert result.passed, f"{params.label()} at {shape}: {result.reason}"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "tf32", "fp32x3"])
+@pytest.mark.parametrize("plant", ["stage_off_by_one", "loose_wait"])
+def test_the_gate_rejects_each_planted_pipeline_bug(device, stream, plant, precision):
+    # K = 1024: 64 steps of 16, so a read of the wrong stage, or of one whose copy has not landed, is seen
+    shape = OP.shape(m=256, n=256, k=1024, precision=precision)
+    values = {"bm": 64, "bn": 64, "bk": 16, "stages": 3}
+    assert run_gate(device, stream, shape, OP.params_from_dict(values)).passed  # the unplanted config is right
+    result = run_gate(device, stream, shape, OP.params_from_dict({**values, "plant": plant}))
+    assert not result.passed and result.reason
