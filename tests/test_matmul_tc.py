@@ -110,9 +110,35 @@ def test_shapes_and_what_a_user_may_set():
 
 
 @pytest.mark.parametrize("precision", ["bf16", "tf32", "fp32x3"])
-def test_the_default_config_is_valid_at_every_precision(precision):
-    shape = OP.shape(m=1000, n=1000, k=1000, precision=precision)
-    OP.validate(shape, OP.params_from_dict(OP.defaults(shape)))
+@pytest.mark.parametrize("k, widest", [(1000, 16), (1002, 8), (37, 4)])
+def test_the_default_config_is_valid_and_copies_as_wide_as_the_rows_allow(precision, k, widest):
+    if precision == "bf16" and k % 2:
+        return  # a bf16 K is even
+    bf16_rows = {1000: 16, 1002: 4}  # 2000 and 2004 bytes
+    widest = bf16_rows[k] if precision == "bf16" else widest
+    shape = OP.shape(m=1000, n=1000, k=k, precision=precision)
+    params = OP.params_from_dict(OP.defaults(shape))
+    OP.validate(shape, params)
+    assert params.copy == widest
+    assert {p.copy for p in expand(OP, shape, load_space(OP, "quick", shape))[0]} == {widest}
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32x3"])
+def test_wide_copies_fill_the_tiles_and_pass_the_gate_with_tails(precision):
+    # M and N tails (50 and 40 of 64-wide tiles) and a K tail (168 over 32- or 16-deep tiles); every copy of its
+    # width
+    shape = OP.shape(m=50, n=40, k=168, precision=precision)
+    params = OP.params_from_dict({"bm": 64, "bn": 64, "bk": 32 if precision == "bf16" else 16, "stages": 3,
+                                  "copy": 16})
+    v = build(OP, shape, params, "sm_90")
+    pieces = 16 // (2 if precision == "bf16" else 4)  # elements per copy
+    per_tile = (64 * params.bk + params.bk * 64) // pieces // params.threads  # copies per thread per tile
+    assert v.census.cp_async == {16: per_tile * params.stages}, v.census.cp_async  # the prologue's and the loop's
+    assert "cp.async.cg.shared.global" in v.compiled.ptx
+    result = interp.gate(OP, shape, v, {}, np.random.default_rng(4))
+    assert result.passed, result.reason
+    with pytest.raises(ConfigError, match="^copy-width: 16-byte copies must divide the rows"):
+        OP.validate(OP.shape(m=50, n=40, k=50, precision=precision), params)
 
 
 def test_a_peer_that_rounds_c_to_bf16_is_allowed_one_bf16_ulp_more():

@@ -8,8 +8,9 @@ precision (a field of the shape: it decides what is computed):
         to fp32 accuracy at tensor-core speed ("3xTF32"). The dropped small·small term is ~2⁻²² relative.
 
 One template, `mma`: a BM×BN block tile of warps_m × warps_n warps, walked along K in BK steps through
-`stages` shared-memory buffers that 4-byte cp.async copies fill (zero-filled past M, N and K, so tails
-need no other care than guarded stores). A warp owns a (BM/warps_m) × (BN/warps_n) tile of m16n8
+`stages` shared-memory buffers that cp.async copies of `copy` bytes (4, 8 or 16) fill, zero-filled past M,
+N and K, so tails need no other care than guarded stores. A copy never straddles the end of a row: its width
+must divide the bytes of a row of A (K elements) and of B (N elements). A warp owns a (BM/warps_m) × (BN/warps_n) tile of m16n8
 accumulators; bf16 fragments come from shared memory by ldmatrix (A: .x4, B: .x2.trans), tf32 fragments by
 scalar loads. `pad` elements after each shared-memory row move each row's start to other banks.
 
@@ -46,6 +47,7 @@ _ACCUMULATORS_MAX = 64  # floats of C a thread holds; at 128 (a 64×64 warp tile
 # for, or waits for one copy group fewer than that tile needs
 PLANTED_BUGS = ("", "stage_off_by_one", "loose_wait")
 _HIDDEN = frozenset({"plant"})
+COPY_WIDTHS = (4, 8, 16)  # bytes per cp.async
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class Params:
     warps_n: int = 2
     stages: int = 2
     pad: int = 8  # elements after each shared-memory row of A and of B
+    copy: int = 4  # bytes per cp.async of A and B: 4, 8 or 16 (where they divide the rows)
     plant: str = ""  # a deliberate pipeline bug, for the tests of the gate only
 
     @property
@@ -72,8 +75,8 @@ class Params:
         return 32 * self.warps_m * self.warps_n
 
     def label(self) -> str:
-        return (f"{self.bm}x{self.bn}x{self.bk} warps{self.warps_m}x{self.warps_n} s{self.stages} pad{self.pad}"
-                + (f" PLANTED {self.plant}" if self.plant else ""))
+        return (f"{self.bm}x{self.bn}x{self.bk} warps{self.warps_m}x{self.warps_n} s{self.stages} pad{self.pad} "
+                f"copy{self.copy}B" + (f" PLANTED {self.plant}" if self.plant else ""))
 
 
 class MatmulTC(TiledProduct):
@@ -106,11 +109,21 @@ class MatmulTC(TiledProduct):
         return public_params_from(Params, self.name, values, _HIDDEN)
 
     def defaults(self, shape: Shape) -> dict[str, Any]:
-        # a tf32 K step is 8 deep, half a bf16 one: bk 16 keeps the unrolled fragments within the registers
-        return {} if shape.precision == "bf16" else {"bk": 16}
+        # a tf32 K step is 8 deep, half a bf16 one: bk 16 keeps the unrolled fragments within the registers;
+        # the widest copy the rows of A and B allow
+        copy = max(self._copy_widths(shape))
+        return {"copy": copy} if shape.precision == "bf16" else {"bk": 16, "copy": copy}
 
     def fit_space(self, shape: Shape, axes: dict[str, tuple]) -> dict[str, tuple]:
-        return axes
+        """The copy widths the rows of A and B allow; where a preset names none of them, the widest they allow."""
+        if "copy" not in axes:
+            return axes
+        allowed = self._copy_widths(shape)
+        return {**axes, "copy": tuple(w for w in axes["copy"] if w in allowed) or (max(allowed),)}
+
+    def _copy_widths(self, shape: Shape) -> tuple[int, ...]:
+        size = _ELEMENT[shape.precision].itemsize
+        return tuple(w for w in COPY_WIDTHS if (shape.k * size) % w == 0 and (shape.n * size) % w == 0)
 
     def params_to_dict(self, params: Params) -> dict[str, Any]:
         return params_dict(params, hidden=_HIDDEN)
@@ -140,10 +153,19 @@ class MatmulTC(TiledProduct):
         if ((p.bk + p.pad) * size) % align or ((p.bn + p.pad) * size) % align:
             raise ConfigError(f"pad: shared-memory rows of {p.bk}+{p.pad} and {p.bn}+{p.pad} {shape.precision} "
                               f"elements must be whole multiples of {align} bytes; use a pad of 0 or 8")
-        for tensor, words in self._tile_words(shape, p).items():
-            if words % p.threads:
-                raise ConfigError(f"tile-copy: the {tensor} tile is {words} 4-byte words, not a multiple of "
-                                  f"{p.threads} threads")
+        if p.copy not in COPY_WIDTHS:
+            raise ConfigError(f"copy-width: copy is the bytes of one cp.async, one of {COPY_WIDTHS}, got {p.copy!r}")
+        if (shape.k * size) % p.copy or (shape.n * size) % p.copy:
+            raise ConfigError(f"copy-width: {p.copy}-byte copies must divide the rows of A ({shape.k} elements) and "
+                              f"of B ({shape.n}), {shape.k * size} and {shape.n * size} bytes; use copy 4")
+        if ((p.bk + p.pad) * size) % p.copy or ((p.bn + p.pad) * size) % p.copy or (p.bk * size) % p.copy \
+                or (p.bn * size) % p.copy:
+            raise ConfigError(f"copy-width: {p.copy}-byte copies must divide the tile rows ({p.bk} and {p.bn} "
+                              f"elements) and the shared-memory rows (+{p.pad}); use a narrower copy")
+        for tensor, copies in self._tile_copies(shape, p).items():
+            if copies % p.threads:
+                raise ConfigError(f"tile-copy: the {tensor} tile is {copies} copies of {p.copy} bytes, not a "
+                                  f"multiple of {p.threads} threads")
         mt, nt = wm // 16, wn // 8
         accumulators = mt * nt * 4
         if accumulators > _ACCUMULATORS_MAX:
@@ -151,7 +173,7 @@ class MatmulTC(TiledProduct):
                               f"{_ACCUMULATORS_MAX}); use more warps or a smaller tile")
         # The K steps of a tile are unrolled: every step's fragments, and every copy's address, may be live at
         # once. Fitted to ptxas 13.0 over the full preset at 1000³ (none admitted spilled).
-        words = sum(self._tile_words(shape, p).values()) // p.threads
+        words = sum(self._tile_copies(shape, p).values()) // p.threads
         split = 2 if shape.precision == "fp32x3" else 1  # a high and a low part of every fragment
         need = accumulators + 2 * split * (4 * mt + 2 * nt) * (p.bk // step) + 2 * words + 40
         if need > (cap := register_cap(p.threads)):
@@ -164,9 +186,9 @@ class MatmulTC(TiledProduct):
             raise ConfigError(f"shared-memory: {p.stages} stages need {need} bytes, over the {MAX_SHARED_BYTES} a "
                               "block can have; use fewer stages or a smaller tile")
 
-    def _tile_words(self, shape: Shape, p: Params) -> dict[str, int]:
-        per_word = 4 // _ELEMENT[shape.precision].itemsize
-        return {"A": p.bm * p.bk // per_word, "B": p.bk * p.bn // per_word}
+    def _tile_copies(self, shape: Shape, p: Params) -> dict[str, int]:
+        per_copy = p.copy // _ELEMENT[shape.precision].itemsize
+        return {"A": p.bm * p.bk // per_copy, "B": p.bk * p.bn // per_copy}
 
     def shared_bytes(self, shape: Shape, p: Params) -> int:
         size = _ELEMENT[shape.precision].itemsize
@@ -175,7 +197,7 @@ class MatmulTC(TiledProduct):
     # ---- generation ----
     def kernel_name(self, shape: Shape, p: Params) -> str:
         return (f"matmul_tc_{shape.precision}_m{shape.m}_n{shape.n}_k{shape.k}_b{p.bm}x{p.bn}x{p.bk}"
-                f"_w{p.warps_m}x{p.warps_n}_s{p.stages}_p{p.pad}" + (f"_bug_{p.plant}" if p.plant else ""))
+                f"_w{p.warps_m}x{p.warps_n}_s{p.stages}_p{p.pad}_c{p.copy}" + (f"_bug_{p.plant}" if p.plant else ""))
 
     def context(self, shape: Shape, p: Params) -> dict[str, Any]:
         element = _ELEMENT[shape.precision]
@@ -187,7 +209,8 @@ class MatmulTC(TiledProduct):
             WARPS_N=p.warps_n, WM=p.bm // p.warps_m, WN=p.bn // p.warps_n, MT=p.bm // p.warps_m // 16,
             NT=p.bn // p.warps_n // 8, KSTEP=_K_STEP[shape.precision], SA=p.bk + p.pad, SB=p.bn + p.pad,
             A_STAGE=p.bm * (p.bk + p.pad), B_STAGE=p.bk * (p.bn + p.pad), TILES=-(-shape.k // p.bk),
-            A_WORDS=self._tile_words(shape, p)["A"] // p.threads, B_WORDS=self._tile_words(shape, p)["B"] // p.threads,
+            COPY=p.copy, PER_COPY=p.copy // element.itemsize,
+            A_COPIES=self._tile_copies(shape, p)["A"] // p.threads, B_COPIES=self._tile_copies(shape, p)["B"] // p.threads,
             PLANT=p.plant,
         )
 
@@ -245,7 +268,7 @@ class MatmulTC(TiledProduct):
 
         def matrix(rows: int, cols: int, dtype: str) -> dict[str, Any]:
             return {"dtype": dtype, "shape": [rows, cols], "layout": f"row-major, contiguous, row stride {cols} elements",
-                    "alignment_bytes": 4}
+                    "alignment_bytes": p.copy}
 
         return {
             "tensors": {"C": matrix(shape.m, shape.n, "float32"), "A": matrix(shape.m, shape.k, element),
