@@ -86,7 +86,7 @@ def test_the_planted_pipeline_bugs_fail_the_gate(plant, precision):
 @pytest.mark.parametrize("dims, values, rule", [
     ({"m": 64, "n": 64, "k": 64, "precision": "bf16"}, {"bk": 8}, "k-step"),
     ({"m": 64, "n": 64, "k": 64}, {"bm": 64, "warps_m": 8}, "warp-tile"),
-    ({"m": 64, "n": 64, "k": 64}, {"pad": 4}, "pad"),
+    ({"m": 64, "n": 64, "k": 64}, {"pad_a": 4}, "pad"),
     ({"m": 64, "n": 64, "k": 64}, {"stages": 5}, "stages"),
     ({"m": 64, "n": 64, "k": 64}, {"plant": "typo"}, "plant"),
 ])

@@ -12,7 +12,13 @@ One template, `mma`: a BM×BN block tile of warps_m × warps_n warps, walked alo
 N and K, so tails need no other care than guarded stores. A copy never straddles the end of a row: its width
 must divide the bytes of a row of A (K elements) and of B (N elements). A warp owns a (BM/warps_m) × (BN/warps_n) tile of m16n8
 accumulators; bf16 fragments come from shared memory by ldmatrix (A: .x4, B: .x2.trans), tf32 fragments by
-scalar loads. `pad` elements after each shared-memory row move each row's start to other banks.
+scalar loads. `pad_a` and `pad_b` elements after each shared-memory row of A and of B move each row's start
+to other banks: a warp's fragment loads read 8 rows at once, which a bank sees once each where
+  bf16 (ldmatrix, 16-byte rows)  the row stride is an odd number of 16 bytes: bk + pad_a and bn + pad_b ≡ 8
+                                 (mod 16), e.g. pad 8;
+  tf32 (scalar loads)            A: lanes (g, t) read word g·(bk + pad_a) + t, distinct banks where
+                                 bk + pad_a ≡ 4 (mod 8), e.g. pad_a 4; B: word t·(bn + pad_b) + g, where
+                                 bn + pad_b ≡ 8 (mod 16), e.g. pad_b 8.
 
 The gate's tolerance (tolerance_of), relative norm against float64 of the exact inputs:
   bf16  products of bf16 values are exact in fp32, so the error is fp32 accumulation over K: at most
@@ -66,7 +72,8 @@ class Params:
     warps_m: int = 2
     warps_n: int = 2
     stages: int = 2
-    pad: int = 8  # elements after each shared-memory row of A and of B
+    pad_a: int = 8  # elements after each shared-memory row of A
+    pad_b: int = 8  # and of B
     copy: int = 4  # bytes per cp.async of A and B: 4, 8 or 16 (where they divide the rows)
     plant: str = ""  # a deliberate pipeline bug, for the tests of the gate only
 
@@ -75,7 +82,7 @@ class Params:
         return 32 * self.warps_m * self.warps_n
 
     def label(self) -> str:
-        return (f"{self.bm}x{self.bn}x{self.bk} warps{self.warps_m}x{self.warps_n} s{self.stages} pad{self.pad} "
+        return (f"{self.bm}x{self.bn}x{self.bk} warps{self.warps_m}x{self.warps_n} s{self.stages} pad{self.pad_a}/{self.pad_b} "
                 f"copy{self.copy}B" + (f" PLANTED {self.plant}" if self.plant else ""))
 
 
@@ -133,8 +140,9 @@ class MatmulTC(TiledProduct):
             value = getattr(p, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"tile: {name} must be a positive whole number, got {value!r}")
-        if not isinstance(p.pad, int) or p.pad < 0:
-            raise ConfigError(f"pad: pad is a whole number of elements, got {p.pad!r}")
+        for name in ("pad_a", "pad_b"):
+            if not isinstance(getattr(p, name), int) or getattr(p, name) < 0:
+                raise ConfigError(f"pad: {name} is a whole number of elements, got {getattr(p, name)!r}")
         step = _K_STEP[shape.precision]
         if p.bk % step:
             raise ConfigError(f"k-step: a {shape.precision} mma takes K in steps of {step}; bk={p.bk} must be a multiple")
@@ -150,18 +158,18 @@ class MatmulTC(TiledProduct):
         size = _ELEMENT[shape.precision].itemsize
         # ldmatrix and the 4-byte copies want rows that start on 16 (bf16) or 4 (tf32) byte boundaries
         align = 16 if shape.precision == "bf16" else 4
-        if ((p.bk + p.pad) * size) % align or ((p.bn + p.pad) * size) % align:
-            raise ConfigError(f"pad: shared-memory rows of {p.bk}+{p.pad} and {p.bn}+{p.pad} {shape.precision} "
+        if ((p.bk + p.pad_a) * size) % align or ((p.bn + p.pad_b) * size) % align:
+            raise ConfigError(f"pad: shared-memory rows of {p.bk}+{p.pad_a} and {p.bn}+{p.pad_b} {shape.precision} "
                               f"elements must be whole multiples of {align} bytes; use a pad of 0 or 8")
         if p.copy not in COPY_WIDTHS:
             raise ConfigError(f"copy-width: copy is the bytes of one cp.async, one of {COPY_WIDTHS}, got {p.copy!r}")
         if (shape.k * size) % p.copy or (shape.n * size) % p.copy:
             raise ConfigError(f"copy-width: {p.copy}-byte copies must divide the rows of A ({shape.k} elements) and "
                               f"of B ({shape.n}), {shape.k * size} and {shape.n * size} bytes; use copy 4")
-        if ((p.bk + p.pad) * size) % p.copy or ((p.bn + p.pad) * size) % p.copy or (p.bk * size) % p.copy \
+        if ((p.bk + p.pad_a) * size) % p.copy or ((p.bn + p.pad_b) * size) % p.copy or (p.bk * size) % p.copy \
                 or (p.bn * size) % p.copy:
             raise ConfigError(f"copy-width: {p.copy}-byte copies must divide the tile rows ({p.bk} and {p.bn} "
-                              f"elements) and the shared-memory rows (+{p.pad}); use a narrower copy")
+                              f"elements) and the shared-memory rows (+{p.pad_a}, +{p.pad_b}); use a narrower copy")
         for tensor, copies in self._tile_copies(shape, p).items():
             if copies % p.threads:
                 raise ConfigError(f"tile-copy: the {tensor} tile is {copies} copies of {p.copy} bytes, not a "
@@ -192,12 +200,12 @@ class MatmulTC(TiledProduct):
 
     def shared_bytes(self, shape: Shape, p: Params) -> int:
         size = _ELEMENT[shape.precision].itemsize
-        return p.stages * (p.bm * (p.bk + p.pad) + p.bk * (p.bn + p.pad)) * size
+        return p.stages * (p.bm * (p.bk + p.pad_a) + p.bk * (p.bn + p.pad_b)) * size
 
     # ---- generation ----
     def kernel_name(self, shape: Shape, p: Params) -> str:
         return (f"matmul_tc_{shape.precision}_m{shape.m}_n{shape.n}_k{shape.k}_b{p.bm}x{p.bn}x{p.bk}"
-                f"_w{p.warps_m}x{p.warps_n}_s{p.stages}_p{p.pad}_c{p.copy}" + (f"_bug_{p.plant}" if p.plant else ""))
+                f"_w{p.warps_m}x{p.warps_n}_s{p.stages}_p{p.pad_a}x{p.pad_b}_c{p.copy}" + (f"_bug_{p.plant}" if p.plant else ""))
 
     def context(self, shape: Shape, p: Params) -> dict[str, Any]:
         element = _ELEMENT[shape.precision]
@@ -207,8 +215,8 @@ class MatmulTC(TiledProduct):
             SPLIT=shape.precision == "fp32x3", ELEMENT=element.c_type,
             PER_WORD=per_word, BM=p.bm, BN=p.bn, BK=p.bk, STAGES=p.stages, THREADS=p.threads,
             WARPS_N=p.warps_n, WM=p.bm // p.warps_m, WN=p.bn // p.warps_n, MT=p.bm // p.warps_m // 16,
-            NT=p.bn // p.warps_n // 8, KSTEP=_K_STEP[shape.precision], SA=p.bk + p.pad, SB=p.bn + p.pad,
-            A_STAGE=p.bm * (p.bk + p.pad), B_STAGE=p.bk * (p.bn + p.pad), TILES=-(-shape.k // p.bk),
+            NT=p.bn // p.warps_n // 8, KSTEP=_K_STEP[shape.precision], SA=p.bk + p.pad_a, SB=p.bn + p.pad_b,
+            A_STAGE=p.bm * (p.bk + p.pad_a), B_STAGE=p.bk * (p.bn + p.pad_b), TILES=-(-shape.k // p.bk),
             COPY=p.copy, PER_COPY=p.copy // element.itemsize,
             A_COPIES=self._tile_copies(shape, p)["A"] // p.threads, B_COPIES=self._tile_copies(shape, p)["B"] // p.threads,
             PLANT=p.plant,
