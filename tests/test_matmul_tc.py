@@ -35,7 +35,9 @@ def test_every_quick_variant_compiles_to_its_tiles_mma_count(precision):
         if precision == "bf16":
             assert c.ldmatrix == {"x4": mt * p.bk // 16, "x2.trans": nt * p.bk // 16}, c.ldmatrix
         else:
-            assert c.ldmatrix == {} and c.tf32_round == split * (4 * mt + 2 * nt) * p.bk // 8
+            # A by ldmatrix (a 16-byte row holds 4 fp32), B by scalar loads; every fragment element rounded
+            assert c.ldmatrix == {"x4": mt * p.bk // 8} and c.tf32_round == split * (4 * mt + 2 * nt) * p.bk // 8
+        assert c.stores_of("C", "v2") == c.stores_of("C") == 2 * mt * nt  # N = 1000 is even: column pairs
         assert c.wait_groups == {p.stages - 1: 1}
 
 

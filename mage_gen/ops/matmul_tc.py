@@ -10,15 +10,15 @@ precision (a field of the shape: it decides what is computed):
 One template, `mma`: a BM×BN block tile of warps_m × warps_n warps, walked along K in BK steps through
 `stages` shared-memory buffers that cp.async copies of `copy` bytes (4, 8 or 16) fill, zero-filled past M,
 N and K, so tails need no other care than guarded stores. A copy never straddles the end of a row: its width
-must divide the bytes of a row of A (K elements) and of B (N elements). A warp owns a (BM/warps_m) × (BN/warps_n) tile of m16n8
-accumulators; bf16 fragments come from shared memory by ldmatrix (A: .x4, B: .x2.trans), tf32 fragments by
-scalar loads. `pad_a` and `pad_b` elements after each shared-memory row of A and of B move each row's start
-to other banks: a warp's fragment loads read 8 rows at once, which a bank sees once each where
-  bf16 (ldmatrix, 16-byte rows)  the row stride is an odd number of 16 bytes: bk + pad_a and bn + pad_b ≡ 8
-                                 (mod 16), e.g. pad 8;
-  tf32 (scalar loads)            A: lanes (g, t) read word g·(bk + pad_a) + t, distinct banks where
-                                 bk + pad_a ≡ 4 (mod 8), e.g. pad_a 4; B: word t·(bn + pad_b) + g, where
-                                 bn + pad_b ≡ 8 (mod 16), e.g. pad_b 8.
+must divide the bytes of a row of A (K elements) and of B (N elements). A warp owns a (BM/warps_m) ×
+(BN/warps_n) tile of m16n8 accumulators; bf16 fragments come from shared memory by ldmatrix (A: .x4, B:
+.x2.trans), tf32 fragments of A by ldmatrix .x4 as well (4 fp32 to a 16-byte row) and of B by scalar loads.
+`pad_a` and `pad_b` elements after each shared-memory row of A and of B move each row's start to other banks:
+a warp's fragment loads read 8 rows at once, which a bank sees once each where
+  ldmatrix (16-byte rows)   the row stride is an odd number of 16 bytes: bk + pad_a (and, bf16, bn + pad_b)
+                            ≡ 8 (mod 16) for bf16, ≡ 4 (mod 8) for tf32 (e.g. pads 8, and pad_a 4);
+  tf32 B (scalar loads)     lanes (g, t) read word t·(bn + pad_b) + g: distinct banks where bn + pad_b ≡ 8
+                            (mod 16), e.g. pad_b 8.
 
 The gate's tolerance (tolerance_of), relative norm against float64 of the exact inputs:
   bf16  products of bf16 values are exact in fp32, so the error is fp32 accumulation over K: at most
@@ -156,11 +156,11 @@ class MatmulTC(TiledProduct):
         if not 1 <= p.stages <= 4:
             raise ConfigError(f"stages: 1 to 4 shared-memory stages, got {p.stages}")
         size = _ELEMENT[shape.precision].itemsize
-        # ldmatrix and the 4-byte copies want rows that start on 16 (bf16) or 4 (tf32) byte boundaries
-        align = 16 if shape.precision == "bf16" else 4
-        if ((p.bk + p.pad_a) * size) % align or ((p.bn + p.pad_b) * size) % align:
+        # ldmatrix wants rows that start on 16-byte boundaries (A always, B where bf16); scalar loads 4
+        align_b = 16 if shape.precision == "bf16" else 4
+        if ((p.bk + p.pad_a) * size) % 16 or ((p.bn + p.pad_b) * size) % align_b:
             raise ConfigError(f"pad: shared-memory rows of {p.bk}+{p.pad_a} and {p.bn}+{p.pad_b} {shape.precision} "
-                              f"elements must be whole multiples of {align} bytes; use a pad of 0 or 8")
+                              f"elements must be whole multiples of 16 and {align_b} bytes; use a pad of 0 or 8")
         if p.copy not in COPY_WIDTHS:
             raise ConfigError(f"copy-width: copy is the bytes of one cp.async, one of {COPY_WIDTHS}, got {p.copy!r}")
         if (shape.k * size) % p.copy or (shape.n * size) % p.copy:
