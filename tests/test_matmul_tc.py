@@ -146,3 +146,17 @@ def test_wide_copies_fill_the_tiles_and_pass_the_gate_with_tails(precision):
 def test_a_peer_that_rounds_c_to_bf16_is_allowed_one_bf16_ulp_more():
     shape = OP.shape(m=256, n=256, k=256)
     assert OP.tolerance_of(shape, "C", BFLOAT16) == pytest.approx(2 * 2.0**-8 + OP.tolerance_of(shape, "C", FLOAT32))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "tf32", "fp32x3"])
+def test_the_largest_tiles_the_register_rule_admits_compile_without_spills(precision):
+    # 64×64 warp tiles (128 accumulators a thread) are admitted where their unrolled fragments fit; the K depths
+    # at which ptxas spills are refused
+    shape = OP.shape(m=1000, n=1000, k=1000, precision=precision)
+    big = {"bm": 128, "bn": 128, "warps_m": 2, "warps_n": 2, "stages": 3, "copy": 16,
+           "pad_a": 8 if precision == "bf16" else 4}
+    fits, spills = {"bf16": (32, 64), "tf32": (16, 32), "fp32x3": (8, 16)}[precision]
+    built = build(OP, shape, OP.params_from_dict({**big, "bk": fits}), "sm_90")
+    assert built.census.spill_bytes == 0 and built.census.stack_bytes == 0, built.census
+    with pytest.raises(ConfigError, match="^registers:"):
+        OP.validate(shape, OP.params_from_dict({**big, "bk": spills}))
