@@ -1,5 +1,5 @@
-"""A variant drawn by hypothesis from an op's full space, at a drawn row length and row count, gated on the GPU
-(shared by the GPU tests of the row-norm ops)."""
+"""Gating a variant on the GPU (shared by the GPU tests): one given config, or one drawn by hypothesis from a row
+norm's full space at a drawn row length and row count."""
 
 import random
 
@@ -11,6 +11,18 @@ from mage_gen import gpu
 from mage_gen.measure import gate
 from mage_gen.space import draw
 from mage_gen.variants import build
+
+
+def gate_on_gpu(op, device, stream, shape, params, run: dict | None = None, seed: int = 0):
+    """The gate's result for one config, its kernel loaded with the dynamic shared memory it asks for."""
+    run = run or {}
+    variant = build(op, shape, params, device.arch)
+    launch = op.geometry(shape, params, run)
+    kernel = gpu.Kernel(variant.compiled.cubin, variant.source.kernel_name, launch.dynamic_shared_bytes)
+    try:
+        return gate(op, shape, params, kernel, run, np.random.default_rng(seed), stream)
+    finally:
+        kernel.unload()
 
 
 def gate_a_drawn_variant(op, space, device, stream, data) -> tuple[str, int, object]:

@@ -6,12 +6,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mage_gen import gpu
-from mage_gen.measure import Bench, gate
+from mage_gen.measure import Bench
 from mage_gen.ops import get_op
 from mage_gen.ops.matmul import Params
 from mage_gen.space import expand, load_space
 from mage_gen.variants import build
+
+from drawn import gate_on_gpu  # tests/drawn.py
 
 pytestmark = pytest.mark.gpu
 OP = get_op("matmul")
@@ -19,13 +20,7 @@ SPACE = load_space(OP, "explore")
 
 
 def run_gate(device, stream, shape, params, seed=0):
-    variant = build(OP, shape, params, device.arch)
-    launch = OP.geometry(shape, params, {})
-    kernel = gpu.Kernel(variant.compiled.cubin, variant.source.kernel_name, launch.dynamic_shared_bytes)
-    try:
-        return gate(OP, shape, params, kernel, {}, np.random.default_rng(seed), stream)
-    finally:
-        kernel.unload()
+    return gate_on_gpu(OP, device, stream, shape, params, seed=seed)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
