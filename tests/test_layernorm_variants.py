@@ -92,6 +92,12 @@ def check_built(d: int, v) -> None:
         assert first(v, "tensor=w") > first(v, "shfl.sync") > -1
     if params.hint == "stream":
         assert "L1::no_allocate" in v.compiled.ptx and "st.global.cs" in v.compiled.ptx
+    # w and b by the read-only path whatever the hint (plain loads would queue behind the y stores); x by plain
+    # loads only under hint none
+    tagged = [line for line in v.compiled.ptx.splitlines() if "// tensor=" in line]
+    assert all("ld.global.nc" in line for line in tagged if line.endswith(("tensor=w", "tensor=b")))
+    x_loads = [line for line in tagged if line.endswith("tensor=x") and "ld.global" in line]
+    assert all(("ld.global.nc" in line) == (params.hint != "none") for line in x_loads), x_loads[:2]
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -53,8 +53,10 @@ _REGISTERS_PER_VALUE = {1: 5.0, 2: 3.5, 4: 2.25}  # by 4-byte words per access
 _SQUEEZE_OVERHEAD = 16
 _TEMPLATE_FILES = {"row": "layernorm/resident.cu.j2", "multirow": "layernorm/resident.cu.j2",
                    "wide": "layernorm/wide.cu.j2"}
-# (x loads, y stores, w/b loads) for each hint
-_HINT_SUFFIXES = {"none": ("", "", ""), "nc": ("nc", "", "nc"), "stream": ("nc_na", "cs", "nc")}
+# (x loads, y stores, w/b loads) for each hint. w and b are read-only in every kernel and always take the
+# read-only path: plain loads of them could alias the y stores before them, and ptxas would then keep each
+# slot's w load behind the previous slot's store (one load latency per slot)
+_HINT_SUFFIXES = {"none": ("", "", "nc"), "nc": ("nc", "", "nc"), "stream": ("nc_na", "cs", "nc")}
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,7 @@ class Params:
     vector: int = 16  # bytes per global access of a row: 4, 8 or 16 (4 floats, or 8 bf16, at 16)
     rows_per_block: int = 1
     rsqrt: str = "approx"
-    hint: str = "nc"  # none: plain loads; nc: read-only path; stream: x not kept in L1, y evict-first
+    hint: str = "nc"  # none: x by plain loads; nc: x by the read-only path; stream: x not kept in L1, y evict-first
     stats: str = "two_pass"  # two_pass: mean, then squared deviations; one_pass: one Chan-merged reduction
     grid_cap: int = 0  # 0: a block per row group; N: at most N blocks walk the rows, prefetching the next
     # late: w and b read after the statistics, where they are used; early: beside x, held until then (a
