@@ -40,10 +40,11 @@ def test_drawn_variants_match_the_float64_reference(device, stream, data):
 
 @pytest.mark.parametrize("precision", ["bf16", "tf32", "fp32x3"])
 @pytest.mark.parametrize("plant", ["stage_off_by_one", "loose_wait"])
-def test_the_gate_rejects_each_planted_pipeline_bug(device, stream, plant, precision):
+@pytest.mark.parametrize("sync", ["two", "one"])
+def test_the_gate_rejects_each_planted_pipeline_bug(device, stream, plant, precision, sync):
     # K = 1024: 64 steps of 16, so a read of the wrong stage, or of one whose copy has not landed, is seen
     shape = OP.shape(m=256, n=256, k=1024, precision=precision)
-    values = {"bm": 64, "bn": 64, "bk": 16, "stages": 3}
+    values = {"bm": 64, "bn": 64, "bk": 16, "stages": 3, "sync": sync}
     assert run_gate(device, stream, shape, OP.params_from_dict(values)).passed  # the unplanted config is right
     result = run_gate(device, stream, shape, OP.params_from_dict({**values, "plant": plant}))
     assert not result.passed and result.reason

@@ -2,6 +2,8 @@
 counts its tiles imply, without spills; drawn small variants with tails pass the gate on the CPU
 interpreter in bf16 and tf32; the planted pipeline bugs fail it; rules refuse what cannot be built."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -38,7 +40,9 @@ def test_every_quick_variant_compiles_to_its_tiles_mma_count(precision):
             # A by ldmatrix (a 16-byte row holds 4 fp32), B by scalar loads; every fragment element rounded
             assert c.ldmatrix == {"x4": mt * p.bk // 8} and c.tf32_round == split * (4 * mt + 2 * nt) * p.bk // 8
         assert c.stores_of("C", "v2") == c.stores_of("C") == 2 * mt * nt  # N = 1000 is even: column pairs
-        assert c.wait_groups == {p.stages - 1: 1}
+        # one barrier per tile waits for one group fewer in flight, and has no barrier after the multiply
+        assert c.wait_groups == {p.stages - (2 if p.sync == "one" else 1): 1}
+        assert c.bar_sync == (1 if p.sync == "one" else 2)
 
 
 SMALL = [p for p in expand(OP, OP.shape(m=64, n=64, k=64), load_space(OP, "full"))[0] if p.bm <= 64 and p.bn <= 64]
@@ -78,9 +82,12 @@ def test_3xtf32_is_near_fp32_where_tf32_is_not():
 
 @pytest.mark.parametrize("plant", ["stage_off_by_one", "loose_wait"])
 @pytest.mark.parametrize("precision", ["bf16", "tf32"])
-def test_the_planted_pipeline_bugs_fail_the_gate(plant, precision):
+@pytest.mark.parametrize("sync", ["two", "one"])
+def test_the_planted_pipeline_bugs_fail_the_gate(plant, precision, sync):
     shape = OP.shape(m=64, n=64, k=96, precision=precision)
-    params = OP.params_from_dict({"bm": 64, "bn": 64, "bk": 16, "stages": 2, "plant": plant})
+    params = OP.params_from_dict({"bm": 64, "bn": 64, "bk": 16, "stages": 2, "sync": sync, "plant": plant})
+    assert interp.gate(OP, shape, build(OP, shape, dataclasses.replace(params, plant=""), "sm_90"), {},
+                       np.random.default_rng(0)).passed  # the config itself is right
     result = interp.gate(OP, shape, build(OP, shape, params, "sm_90"), {}, np.random.default_rng(0))
     assert not result.passed and "cp.async" in result.reason
 
@@ -91,6 +98,7 @@ def test_the_planted_pipeline_bugs_fail_the_gate(plant, precision):
     ({"m": 64, "n": 64, "k": 64}, {"pad_a": 4}, "pad"),
     ({"m": 64, "n": 64, "k": 64}, {"stages": 5}, "stages"),
     ({"m": 64, "n": 64, "k": 64}, {"plant": "typo"}, "plant"),
+    ({"m": 64, "n": 64, "k": 64}, {"sync": "one", "stages": 1}, "sync"),
 ])
 def test_rules_refuse_what_cannot_be_built(dims, values, rule):
     with pytest.raises(ConfigError, match=f"^{rule}:"):

@@ -10,7 +10,9 @@ precision (a field of the shape: it decides what is computed):
 One template, `mma`: a BM×BN block tile of warps_m × warps_n warps, walked along K in BK steps through
 `stages` shared-memory buffers that cp.async copies of `copy` bytes (4, 8 or 16) fill, zero-filled past M,
 N and K, so tails need no other care than guarded stores. A copy never straddles the end of a row: its width
-must divide the bytes of a row of A (K elements) and of B (N elements). A warp owns a (BM/warps_m) ×
+must divide the bytes of a row of A (K elements) and of B (N elements). `sync` two: a barrier before and
+after each tile's multiply; one: wait, one barrier, refill the stage the previous tile left, multiply. A warp
+owns a (BM/warps_m) ×
 (BN/warps_n) tile of m16n8 accumulators; bf16 fragments come from shared memory by ldmatrix (A: .x4, B:
 .x2.trans), tf32 fragments of A by ldmatrix .x4 as well (4 fp32 to a 16-byte row) and of B by scalar loads.
 `pad_a` and `pad_b` elements after each shared-memory row of A and of B move each row's start to other banks:
@@ -54,6 +56,7 @@ _ACCUMULATORS_MAX = 128  # floats of C a thread holds: a 64×64 warp tile
 PLANTED_BUGS = ("", "stage_off_by_one", "loose_wait")
 _HIDDEN = frozenset({"plant"})
 COPY_WIDTHS = (4, 8, 16)  # bytes per cp.async
+SYNCS = ("two", "one")  # barriers per K tile
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,9 @@ class Params:
     pad_a: int = 8  # elements after each shared-memory row of A
     pad_b: int = 8  # and of B
     copy: int = 4  # bytes per cp.async of A and B: 4, 8 or 16 (where they divide the rows)
+    # two: a barrier before and after each tile's multiply; one: wait, barrier, refill the stage the previous
+    # tile left, multiply (stages ≥ 2)
+    sync: str = "two"
     plant: str = ""  # a deliberate pipeline bug, for the tests of the gate only
 
     @property
@@ -83,7 +89,7 @@ class Params:
 
     def label(self) -> str:
         return (f"{self.bm}x{self.bn}x{self.bk} warps{self.warps_m}x{self.warps_n} s{self.stages} pad{self.pad_a}/{self.pad_b} "
-                f"copy{self.copy}B" + (f" PLANTED {self.plant}" if self.plant else ""))
+                f"copy{self.copy}B" + (" one-barrier" if self.sync == "one" else "") + (f" PLANTED {self.plant}" if self.plant else ""))
 
 
 class MatmulTC(TiledProduct):
@@ -155,6 +161,11 @@ class MatmulTC(TiledProduct):
             raise ConfigError(f"threads: {p.warps_m}×{p.warps_n} warps are {p.threads} threads, over {MAX_THREADS}")
         if not 1 <= p.stages <= 4:
             raise ConfigError(f"stages: 1 to 4 shared-memory stages, got {p.stages}")
+        if p.sync not in SYNCS:
+            raise ConfigError(f"sync: sync is one of {SYNCS}, got {p.sync!r}")
+        if p.sync == "one" and p.stages < 2:
+            raise ConfigError("sync: one barrier per tile refills a stage while another is read, so it needs 2 or "
+                              "more stages")
         size = _ELEMENT[shape.precision].itemsize
         # ldmatrix wants rows that start on 16-byte boundaries (A always, B where bf16); scalar loads 4
         align_b = 16 if shape.precision == "bf16" else 4
@@ -207,7 +218,8 @@ class MatmulTC(TiledProduct):
     # ---- generation ----
     def kernel_name(self, shape: Shape, p: Params) -> str:
         return (f"matmul_tc_{shape.precision}_m{shape.m}_n{shape.n}_k{shape.k}_b{p.bm}x{p.bn}x{p.bk}"
-                f"_w{p.warps_m}x{p.warps_n}_s{p.stages}_p{p.pad_a}x{p.pad_b}_c{p.copy}" + (f"_bug_{p.plant}" if p.plant else ""))
+                f"_w{p.warps_m}x{p.warps_n}_s{p.stages}_p{p.pad_a}x{p.pad_b}_c{p.copy}" + ("_y1" if p.sync == "one" else "")
+                + (f"_bug_{p.plant}" if p.plant else ""))
 
     def context(self, shape: Shape, p: Params) -> dict[str, Any]:
         element = _ELEMENT[shape.precision]
@@ -221,7 +233,7 @@ class MatmulTC(TiledProduct):
             A_STAGE=p.bm * (p.bk + p.pad_a), B_STAGE=p.bk * (p.bn + p.pad_b), TILES=-(-shape.k // p.bk),
             COPY=p.copy, PER_COPY=p.copy // element.itemsize,
             A_COPIES=self._tile_copies(shape, p)["A"] // p.threads, B_COPIES=self._tile_copies(shape, p)["B"] // p.threads,
-            PLANT=p.plant,
+            PLANT=p.plant, SYNC=p.sync,
         )
 
     def source(self, shape: Shape, p: Params) -> Source:
