@@ -223,11 +223,10 @@ class MatmulTC(TiledProduct):
 
     def context(self, shape: Shape, p: Params) -> dict[str, Any]:
         element = _ELEMENT[shape.precision]
-        per_word = 4 // element.itemsize
         return dict(
             M=shape.m, N=shape.n, K=shape.k, PRECISION=shape.precision, MMA_TYPE=_MMA_TYPE[shape.precision],
             SPLIT=shape.precision == "fp32x3", ELEMENT=element.c_type,
-            PER_WORD=per_word, BM=p.bm, BN=p.bn, BK=p.bk, STAGES=p.stages, THREADS=p.threads,
+            ESIZE=element.itemsize, BM=p.bm, BN=p.bn, BK=p.bk, STAGES=p.stages, THREADS=p.threads,
             WARPS_N=p.warps_n, WM=p.bm // p.warps_m, WN=p.bn // p.warps_n, MT=p.bm // p.warps_m // 16,
             NT=p.bn // p.warps_n // 8, KSTEP=_K_STEP[shape.precision], SA=p.bk + p.pad_a, SB=p.bn + p.pad_b,
             A_STAGE=p.bm * (p.bk + p.pad_a), B_STAGE=p.bk * (p.bn + p.pad_b), TILES=-(-shape.k // p.bk),
