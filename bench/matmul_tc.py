@@ -122,17 +122,27 @@ def summarize(rows: list[dict]) -> dict:
             "untuned": [f"{r['precision']} {r['m']}x{r['n']}x{r['k']}" for r in rows if r["chosen"] != "tuned"]}
 
 
+def parse_shape(text: str) -> tuple[int, int, int]:
+    try:
+        m, n, k = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a shape as MxNxK, e.g. 4096x4096x4096") from None
+    return m, n, k
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tune-missing", action="store_true", help="tune a shape that has no winner in tuned/")
     parser.add_argument("--untuned", action="store_true", help="bench the default config where nothing is tuned")
     parser.add_argument("--precision", choices=PRECISIONS, action="append", help="only these (default: all)")
+    parser.add_argument("--shape", type=parse_shape, action="append", help="only these MxNxK (default: the sweep)")
+    parser.add_argument("--out", default="matmul_tc.json", help="result file name under bench/results/<gpu>/")
     args = parser.parse_args()
     op = get_op("matmul_tc")
     device = gpu.open_device()
     rows = []
     for precision in args.precision or PRECISIONS:
-        for m, n, k in SHAPES:
+        for m, n, k in args.shape or SHAPES:
             shape = op.shape(m=m, n=n, k=k, precision=precision)
             params, chosen = choose(op, shape, device, args.tune_missing, args.untuned)
             rows.append(bench_one(op, shape, params, chosen, device))
@@ -164,7 +174,7 @@ def main() -> None:
         },
         **provenance(device), "shapes": rows, "summary": summary,
     }
-    out = write_result(device, "matmul_tc.json", json.dumps(doc, indent=1) + "\n")
+    out = write_result(device, args.out, json.dumps(doc, indent=1) + "\n")
     print(json.dumps(summary, indent=1))
     print(f"wrote {out}", file=sys.stderr)
 

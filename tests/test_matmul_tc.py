@@ -159,12 +159,17 @@ def test_a_peer_that_rounds_c_to_bf16_is_allowed_one_bf16_ulp_more():
 @pytest.mark.parametrize("precision", ["bf16", "tf32", "fp32x3"])
 def test_the_largest_tiles_the_register_rule_admits_compile_without_spills(precision):
     # 64×64 warp tiles (128 accumulators a thread) are admitted where their unrolled fragments fit; the K depths
-    # at which ptxas spills are refused
+    # at which ptxas spills are refused. fp32x3 holds a K tile's products apart from C (twice the accumulators):
+    # its largest is 64×32, and 64×64 is refused at any depth.
     shape = OP.shape(m=1000, n=1000, k=1000, precision=precision)
-    big = {"bm": 128, "bn": 128, "warps_m": 2, "warps_n": 2, "stages": 3, "copy": 16,
+    bn = 64 if precision == "fp32x3" else 128
+    big = {"bm": 128, "bn": bn, "warps_m": 2, "warps_n": 2, "stages": 3, "copy": 16,
            "pad_a": 8 if precision == "bf16" else 4}
     fits, spills = {"bf16": (32, 64), "tf32": (16, 32), "fp32x3": (8, 16)}[precision]
     built = build(OP, shape, OP.params_from_dict({**big, "bk": fits}), "sm_90")
     assert built.census.spill_bytes == 0 and built.census.stack_bytes == 0, built.census
+    if precision == "fp32x3":
+        with pytest.raises(ConfigError, match="^registers:"):
+            OP.validate(shape, OP.params_from_dict({**big, "bn": 128, "bk": 8}))
     with pytest.raises(ConfigError, match="^registers:"):
         OP.validate(shape, OP.params_from_dict({**big, "bk": spills}))

@@ -6,6 +6,9 @@ precision (a field of the shape: it decides what is computed):
   fp32x3  A and B fp32, each split into a tf32 high part and the tf32 rounding of what is left; three
         m16n8k8 products (small·big, big·small, then big·big, the small terms first) summed in fp32: close
         to fp32 accuracy at tensor-core speed ("3xTF32"). The dropped small·small term is ~2⁻²² relative.
+        The tensor cores' fp32 accumulation truncates: summed over all of K it shrank |C| by about
+        K/8 · 2⁻²⁴ (25× SGEMM's error at K = 4096 on an H200, bench/results/h200/matmul_tc_first_look.json),
+        so each K tile's products are summed apart and added to C by round-to-nearest fp32 adds.
 
 One template, `mma`: a BM×BN block tile of warps_m × warps_n warps, walked along K in BK steps through
 `stages` shared-memory buffers that cp.async copies of `copy` bytes (4, 8 or 16) fill, zero-filled past M,
@@ -195,10 +198,10 @@ class MatmulTC(TiledProduct):
         # the full preset drawn at random at 1000³, 80 of which it spilled: every one this admits compiled without
         # spills (tests/test_matmul_tc.py holds the 64×64 warp tiles at the edge).
         copies = sum(self._tile_copies(shape, p).values()) // p.threads
-        split = 2 if shape.precision == "fp32x3" else 1  # a high and a low part of every fragment
-        need = accumulators + split * (4 * mt + 2 * nt) * (p.bk // step) + 4 * copies + 24
+        split = 2 if shape.precision == "fp32x3" else 1  # a high and a low part of every fragment, and C's part
+        need = split * accumulators + split * (4 * mt + 2 * nt) * (p.bk // step) + 4 * copies + 24
         if need > (cap := register_cap(p.threads)):
-            raise ConfigError(f"registers: {accumulators} accumulators, {p.bk // step} unrolled K steps of fragments "
+            raise ConfigError(f"registers: {split * accumulators} accumulators, {p.bk // step} unrolled K steps of fragments "
                               f"and {copies} copies a thread need about {need} registers, over the {cap} a block of "
                               f"{p.threads} threads leaves each; use a smaller bk, more warps or a smaller tile")
         if p.plant not in PLANTED_BUGS:
