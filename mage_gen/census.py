@@ -51,7 +51,7 @@ class Census:
     half_narrow: int = 0  # cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32: two f32 rounded into one 32-bit pair
     mma: dict[str, int] = field(default_factory=dict)  # 'm16n8k16.bf16' -> mma.sync instructions
     ldmatrix: dict[str, int] = field(default_factory=dict)  # 'x4', 'x2.trans' -> ldmatrix instructions
-    tf32_round: int = 0  # cvt.rna.tf32.f32: an f32 rounded to tf32 (3xTF32 splits each operand with it)
+    tf32_round: int = 0  # cvt.rna/.rn.tf32.f32: an f32 rounded to tf32 (3xTF32 splits each operand with it)
 
     @property
     def spill_bytes(self) -> int:
@@ -99,7 +99,7 @@ def _resource(log: str, name: str, pattern: str, kernel: str) -> int:
     return 0  # no shared memory or barriers: ptxas leaves them out
 
 
-_TF32_ROUND = re.compile(r"\bcvt\.rna(?:\.satfinite)?\.tf32\.f32\b")
+_TF32_ROUND = re.compile(r"\bcvt\.rna?(?:\.satfinite)?\.tf32\.f32\b")
 _MMA = re.compile(r"\bmma\.sync\.aligned\.(m\d+n\d+k\d+)\.row\.col\.f32\.(\w+)\.\w+\.f32\b")
 _LDMATRIX = re.compile(r"\bldmatrix\.sync\.aligned\.m8n8\.(x[124])(\.trans)?\.")
 _HALF_WIDEN = re.compile(r"\bcvt\.f32\.b?f16\b")

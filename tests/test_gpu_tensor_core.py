@@ -64,8 +64,12 @@ def test_ldmatrix_and_mma_agree_with_the_interpreter(device):
     assert np.allclose(on_gpu, on_cpu, rtol=1e-5, atol=1e-5), np.abs(on_gpu - on_cpu).max()
 
 
-def test_cvt_rna_tf32_agrees_bit_for_bit(device):
-    values = np.random.default_rng(5).standard_normal(4096).astype(np.float32) * np.float32(100)
+@pytest.mark.parametrize("rounding", ["rna", "rn"])
+def test_cvt_tf32_agrees_bit_for_bit(device, rounding):
+    # random values, and ties of both parities, where rna and rn part
+    ties = (np.float32(1.0) + np.arange(1, 64, 2, dtype=np.float32) * np.float32(2.0**-11)).astype(np.float32)
+    values = np.concatenate([np.random.default_rng(5).standard_normal(4096 - 64).astype(np.float32) * np.float32(100),
+                             ties, -ties])
     arrays = [np.zeros(4096, np.uint32), values]
-    on_gpu, on_cpu = both(ROUND, "to_tf32", 16, 256, arrays, [4096], 0, device.arch)
+    on_gpu, on_cpu = both(ROUND, "to_tf32", 16, 256, arrays, [4096], 0, device.arch, ROUNDING=rounding)
     assert np.array_equal(on_gpu, on_cpu)

@@ -68,7 +68,7 @@ ROUND = """{% import "ptx.j2" as ptx %}
 extern "C" __global__ void to_tf32(unsigned* __restrict__ out, const float* __restrict__ x, int n)
 {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) { unsigned r; float v = x[i]; {{ ptx.cvt_tf32('r', 'v') }} out[i] = r; }
+    if (i < n) { unsigned r; float v = x[i]; {{ ptx.cvt_tf32('r', 'v', ROUNDING) }} out[i] = r; }
 }
 """
 
@@ -198,7 +198,7 @@ def test_cvt_rna_tf32_rounds_to_nearest_ties_away_and_keeps_the_exponent_carry()
     ulp = 2.0**-10  # tf32 keeps 10 explicit mantissa bits
     values = np.array([one + ulp / 2, -(one + ulp / 2), one + ulp / 2 - 2**-23, one + 3 * ulp / 2,
                        2 - ulp / 2, 3.0e38, np.float32(np.inf), 0.0, -0.0], np.float32)
-    kernel = compiled(ROUND, "to_tf32")
+    kernel = compiled(ROUND, "to_tf32", ROUNDING="rna")
     out = np.zeros(len(values), np.uint32)
     interp.run(kernel.ptx, "to_tf32", (1,), (32,), 0, [out, values, len(values)])
     got = out.view(np.float32)
@@ -206,6 +206,22 @@ def test_cvt_rna_tf32_rounds_to_nearest_ties_away_and_keeps_the_exponent_carry()
     assert np.isinf(got[5]) or got[5] >= 3.0e38 and (out[5] & 0x1FFF) == 0
     assert np.isinf(got[6]) and got[7] == 0 and np.signbit(got[8])
     assert np.array_equal(out, fp.f32_to_tf32_rna(values)) and take_census(kernel).tf32_round == 1
+
+
+def test_cvt_rn_tf32_rounds_ties_to_even():
+    one, ulp = 1.0, 2.0**-10
+    values = np.array([one + ulp / 2, one + 3 * ulp / 2, -(one + 3 * ulp / 2), one + ulp / 2 + 2**-23,
+                       2 - ulp / 2, 3.4028235e38, np.float32(np.inf), -0.0, np.float32(np.nan)], np.float32)
+    kernel = compiled(ROUND, "to_tf32", ROUNDING="rn")
+    out = np.zeros(len(values), np.uint32)
+    interp.run(kernel.ptx, "to_tf32", (1,), (32,), 0, [out, values, len(values)])
+    got = out.view(np.float32)
+    # ties go to the even neighbour (1 + ulp/2 down, 1 + 3ulp/2 up); past a tie, up; a carry reaches the exponent
+    assert got[:5].tolist() == [one, one + 2 * ulp, -(one + 2 * ulp), one + ulp, 2.0]
+    assert np.isinf(got[5]) and np.isinf(got[6]) and np.signbit(got[7]) and np.isnan(got[8])
+    assert (out & 0x1FFF).tolist() == [0] * len(values)
+    assert not np.array_equal(out[:1], fp.f32_to_tf32_rna(values[:1]))  # where the two roundings part
+    assert take_census(kernel).tf32_round == 1
 
 
 def test_ldmatrix_needs_16_byte_aligned_rows():

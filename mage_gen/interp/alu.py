@@ -337,11 +337,12 @@ def _cvt(dec, st, parts):
     if dtyp == "tf32":
         if styp != "f32":
             raise UnknownInstruction(f"cvt from .{styp} to .tf32 not implemented")
-        _unsupported(parts, {"rna"})
-        if "rna" not in mods:
-            raise UnknownInstruction("cvt to .tf32 is implemented with .rna only")
+        _unsupported(parts, {"rna", "rn"})
+        if len(mods) != 1:
+            raise UnknownInstruction("cvt to .tf32 takes one rounding, .rna or .rn")
+        rounding = fp.f32_to_tf32_rna if mods == ["rna"] else fp.f32_to_tf32_rn
         a = dec.src(st.operands[1], np.float32)
-        return _emit(dec, st.operands[0], lambda r: fp.f32_to_tf32_rna(_full(a(r))))
+        return _emit(dec, st.operands[0], lambda r: rounding(_full(a(r))))
     if {"bf16", "bf16x2", "f16x2"} & {dtyp, styp} or (dtyp == "f16" and styp == "f32") or (styp == "f16" and dtyp == "f32"):
         _unsupported(parts, {"rn"})
         return _cvt_half(dec, st, dtyp, styp, "rn" if "rn" in mods else None)

@@ -92,6 +92,17 @@ def f32_to_tf32_rna(x: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(x), np.uint32(0x7FFFE000), rounded).astype(np.uint32)
 
 
+def f32_to_tf32_rn(x: np.ndarray) -> np.ndarray:
+    """cvt.rn.tf32.f32: x rounded to 10 explicit mantissa bits, ties to even, as a .b32 whose low 13 bits are
+    zero. Adding just under half of the dropped range, plus the kept lowest bit, to the magnitude's bits and
+    truncating rounds ties to the even neighbour; a carry lands in the exponent (past the largest finite value,
+    in infinity). NaN stays a NaN."""
+    x = np.asarray(x, dtype=np.float32)
+    bits = x.view(np.uint32)
+    rounded = (bits + np.uint32(0xFFF) + ((bits >> np.uint32(13)) & np.uint32(1))) & np.uint32(0xFFFFE000)
+    return np.where(np.isnan(x), np.uint32(0x7FFFE000), rounded).astype(np.uint32)
+
+
 def tf32_operand(bits: np.ndarray) -> np.ndarray:
     """What an mma's .tf32 operand is: the register's upper 19 bits, the lower 13 ignored."""
     return (np.asarray(bits, dtype=np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)

@@ -2,7 +2,7 @@
 
 precision (a field of the shape: it decides what is computed):
   bf16  A and B are bf16 in memory; m16n8k16 mma, fp32 accumulation.
-  tf32  A and B are fp32 in memory, rounded to tf32 (cvt.rna) as they leave shared memory; m16n8k8 mma.
+  tf32  A and B are fp32 in memory, rounded to tf32 (cvt.rn, ties to even) as they leave shared memory; m16n8k8 mma.
   fp32x3  A and B fp32, each split into a tf32 high part and the tf32 rounding of what is left; three
         m16n8k8 products (small·big, big·small, then big·big, the small terms first) summed in fp32: close
         to fp32 accuracy at tensor-core speed ("3xTF32"). The dropped small·small term is ~2⁻²² relative.
