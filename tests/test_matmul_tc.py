@@ -24,7 +24,7 @@ def test_every_quick_variant_compiles_to_its_tiles_mma_count(precision):
     shape = OP.shape(m=1000, n=1000, k=1000, precision=precision)
     valid, _ = expand(OP, shape, load_space(OP, "quick", shape))
     sample = valid[::3]  # every third (odd: the last axis alternates), every value of every axis kept
-    for axis in ("bm", "bn", "bk", "warps_m", "warps_n", "stages"):
+    for axis in ("bm", "bn", "bk", "warps_m", "warps_n", "stages", "b_loads"):
         assert {getattr(p, axis) for p in sample} == {getattr(p, axis) for p in valid}, axis
     step, kind = (16, "bf16") if precision == "bf16" else (8, "tf32")
     split = 2 if precision == "fp32x3" else 1  # a high and a low tf32 part of every element
@@ -37,9 +37,12 @@ def test_every_quick_variant_compiles_to_its_tiles_mma_count(precision):
         if precision == "bf16":
             assert c.ldmatrix == {"x4": mt * p.bk // 16, "x2.trans": nt * p.bk // 16}, c.ldmatrix
         else:
-            # A by ldmatrix (a 16-byte row holds 4 fp32), B by scalar loads; every fragment element rounded
+            # A by ldmatrix (a 16-byte row holds 4 fp32), B by shared loads; every fragment element rounded
             assert c.ldmatrix == {"x4": mt * p.bk // 8} and c.tf32_round == split * (4 * mt + 2 * nt) * p.bk // 8
-        assert c.stores_of("C", "v2") == c.stores_of("C") == 2 * mt * nt  # N = 1000 is even: column pairs
+        if p.b_loads == "wide":  # a lane's columns of 2 or 4 n-tiles side by side; N = 1000 is a multiple of 4
+            assert c.stores_of("C", "v4") == c.stores_of("C") == mt * nt
+        else:
+            assert c.stores_of("C", "v2") == c.stores_of("C") == 2 * mt * nt  # N = 1000 is even: column pairs
         # one barrier per tile waits for one group fewer in flight, and has no barrier after the multiply
         assert c.wait_groups == {p.stages - (2 if p.sync == "one" else 1): 1}
         assert c.bar_sync == (1 if p.sync == "one" else 2)
@@ -92,6 +95,36 @@ def test_the_planted_pipeline_bugs_fail_the_gate(plant, precision, sync):
     assert not result.passed and "cp.async" in result.reason
 
 
+@pytest.mark.parametrize("dims, values", [
+    ((64, 64, 40), {"bm": 64, "bn": 64, "bk": 16, "pad_a": 4}),  # 4 n-tiles a warp: 16-byte loads, C by v4
+    ((40, 36, 24), {"bm": 32, "bn": 32, "bk": 8, "pad_a": 4}),  # 2 n-tiles: 8-byte loads, tails
+    ((50, 70, 40), {"bm": 16, "bn": 128, "bk": 8, "warps_m": 1, "stages": 3, "sync": "one", "pad_a": 4}),  # 8; N % 4
+])
+@pytest.mark.parametrize("precision", ["tf32", "fp32x3"])
+def test_wide_b_loads_compute_what_word_loads_do_bit_for_bit(dims, values, precision):
+    # the same products into the same accumulators, only the columns a lane owns moved: C must not change a bit
+    m, n, k = dims
+    shape = OP.shape(m=m, n=n, k=k, precision=precision)
+    inputs = OP.make_inputs(shape, {}, np.random.default_rng(3))
+    outputs = {}
+    for b_loads in ("word", "wide"):
+        variant = build(OP, shape, OP.params_from_dict({**values, "b_loads": b_loads}), "sm_90")
+        outputs[b_loads] = interp.launch_with(OP, shape, variant, {}, inputs)["C"]
+    assert np.isfinite(outputs["wide"]).all() and np.array_equal(outputs["word"], outputs["wide"])
+    reference = OP.reference(shape, inputs, {})["C"]
+    assert np.linalg.norm(outputs["wide"] - reference) <= OP.tolerance_of(shape, "C", FLOAT32) * np.linalg.norm(reference)
+
+
+def test_wide_b_loads_read_b_a_vector_at_a_time():
+    shape = OP.shape(m=64, n=64, k=64, precision="tf32")
+    word, wide = (build(OP, shape, OP.params_from_dict({"bk": 16, "pad_a": 4, "b_loads": b}), "sm_90").source.text
+                  for b in ("word", "wide"))
+    # 2 K steps × 2 rows × 1 group of 4 n-tiles: 4 vector loads where the word form has 2 × 2 × 4 scalar ones
+    assert wide.count("ld.shared.v4.f32") == 4 and "ld.shared.v4.f32" not in word
+    assert word.count("ld.shared.f32") == 16 and "ld.shared.f32" not in wide
+    assert wide.count("st.global.v4.f32") == 2 * 2 * 2  # 2 m-tiles × 2 halves × 2 vectors of 4 columns
+
+
 @pytest.mark.parametrize("dims, values, rule", [
     ({"m": 64, "n": 64, "k": 64, "precision": "bf16"}, {"bk": 8}, "k-step"),
     ({"m": 64, "n": 64, "k": 64}, {"bm": 64, "warps_m": 8}, "warp-tile"),
@@ -99,6 +132,9 @@ def test_the_planted_pipeline_bugs_fail_the_gate(plant, precision, sync):
     ({"m": 64, "n": 64, "k": 64}, {"stages": 5}, "stages"),
     ({"m": 64, "n": 64, "k": 64}, {"plant": "typo"}, "plant"),
     ({"m": 64, "n": 64, "k": 64}, {"sync": "one", "stages": 1}, "sync"),
+    ({"m": 64, "n": 64, "k": 64}, {"b_loads": "wide"}, "b-loads"),  # bf16: B by ldmatrix
+    ({"m": 64, "n": 64, "k": 64, "precision": "tf32"}, {"bn": 32, "warps_n": 4, "bk": 16, "b_loads": "wide"}, "b-loads"),
+    ({"m": 64, "n": 64, "k": 64, "precision": "tf32"}, {"bk": 16, "pad_b": 1, "b_loads": "wide"}, "b-loads"),
 ])
 def test_rules_refuse_what_cannot_be_built(dims, values, rule):
     with pytest.raises(ConfigError, match=f"^{rule}:"):

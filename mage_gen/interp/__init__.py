@@ -12,8 +12,8 @@ barriers), gate (an op variant as the gate runs it).
 
 from mage_gen.interp.errors import (DivergenceError, InterpError, MemoryFault, RaceError, StaleReadError,
                                     UnknownInstruction)
-from mage_gen.interp.gate import gate, run_once, worst_error
+from mage_gen.interp.gate import gate, launch_with, run_once, worst_error
 from mage_gen.interp.launch import Stats, run
 
-__all__ = ["run", "Stats", "gate", "run_once", "worst_error", "InterpError", "UnknownInstruction", "MemoryFault",
+__all__ = ["run", "Stats", "gate", "launch_with", "run_once", "worst_error", "InterpError", "UnknownInstruction", "MemoryFault",
            "RaceError", "StaleReadError", "DivergenceError"]

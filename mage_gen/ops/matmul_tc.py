@@ -24,6 +24,13 @@ a warp's fragment loads read 8 rows at once, which a bank sees once each where
                             ≡ 8 (mod 16) for bf16, ≡ 4 (mod 8) for tf32 (e.g. pads 8, and pad_a 4);
   tf32 B (scalar loads)     lanes (g, t) read word t·(bn + pad_b) + g: distinct banks where bn + pad_b ≡ 8
                             (mod 16), e.g. pad_b 8.
+  tf32 B (b_loads wide)     the mma column g of n-tile j is put at column (j // G)·8G + g·G + j % G of the
+                            warp's tile, G = 2 or 4 n-tiles, so lane (g, t) finds its G values side by side and
+                            reads them with one 8- or 16-byte load at word t·(bn + pad_b) + g·G. A 16-byte load is
+                            served 8 lanes at a time (g < 2 or so, t < 4), an 8-byte one 16 at a time: both are
+                            conflict-free where bn + pad_b ≡ 8 (mod 32), e.g. pad_b 8 with bn 32, 64, 128, 256.
+                            C follows the same mapping: a lane's accumulators of G n-tiles make 2G adjacent columns
+                            of a row, stored 16 bytes at a time where N is a multiple of 4.
 
 The gate's tolerance (tolerance_of), relative norm against float64 of the exact inputs:
   bf16  products of bf16 values are exact in fp32, so the error is fp32 accumulation over K: at most
@@ -60,6 +67,18 @@ PLANTED_BUGS = ("", "stage_off_by_one", "loose_wait")
 _HIDDEN = frozenset({"plant"})
 COPY_WIDTHS = (4, 8, 16)  # bytes per cp.async
 SYNCS = ("two", "one")  # barriers per K tile
+B_LOADS = ("word", "wide")  # how a tf32 B fragment leaves shared memory
+
+
+def _guard(*bounds: tuple[str, int, int]) -> str:
+    """The C condition that keeps a copy inside its matrix: `index < extent` for each (index, extent, tile)
+    whose tiles do not divide the extent; empty where all do."""
+    return " && ".join(f"{index} < {extent}" for index, extent, tile in bounds if extent % tile)
+
+
+def _b_group(nt: int) -> int:
+    """n-tiles whose B columns one wide shared load brings: 4 (16 bytes) where there are 4 or more, else 2."""
+    return min(nt, 4)
 
 
 @dataclass(frozen=True)
@@ -84,6 +103,9 @@ class Params:
     # two: a barrier before and after each tile's multiply; one: wait, barrier, refill the stage the previous
     # tile left, multiply (stages ≥ 2)
     sync: str = "two"
+    # word: each tf32 B fragment register by its own 4-byte shared load; wide: the columns a lane owns in up to 4
+    # n-tiles made adjacent, so one 8- or 16-byte load fills them all (C is stored through the same mapping)
+    b_loads: str = "word"
     plant: str = ""  # a deliberate pipeline bug, for the tests of the gate only
 
     @property
@@ -92,7 +114,8 @@ class Params:
 
     def label(self) -> str:
         return (f"{self.bm}x{self.bn}x{self.bk} warps{self.warps_m}x{self.warps_n} s{self.stages} pad{self.pad_a}/{self.pad_b} "
-                f"copy{self.copy}B" + (" one-barrier" if self.sync == "one" else "") + (f" PLANTED {self.plant}" if self.plant else ""))
+                f"copy{self.copy}B" + (" one-barrier" if self.sync == "one" else "") + (" wide-B" if self.b_loads == "wide" else "")
+                + (f" PLANTED {self.plant}" if self.plant else ""))
 
 
 class MatmulTC(TiledProduct):
@@ -204,11 +227,30 @@ class MatmulTC(TiledProduct):
             raise ConfigError(f"registers: {split * accumulators} accumulators, {p.bk // step} unrolled K steps of fragments "
                               f"and {copies} copies a thread need about {need} registers, over the {cap} a block of "
                               f"{p.threads} threads leaves each; use a smaller bk, more warps or a smaller tile")
+        if p.b_loads not in B_LOADS:
+            raise ConfigError(f"b-loads: b_loads is one of {B_LOADS}, got {p.b_loads!r}")
+        if p.b_loads == "wide":
+            if shape.precision == "bf16":
+                raise ConfigError("b-loads: bf16 B fragments come by ldmatrix; wide B loads are for tf32 and fp32x3")
+            if nt < 2 or nt % _b_group(nt):
+                raise ConfigError(f"b-loads: a {wn}-wide warp tile is {nt} n-tiles; wide loads take them 2 or 4 at a "
+                                  "time; use word")
+            if ((p.bn + p.pad_b) * size) % (4 * _b_group(nt)):
+                raise ConfigError(f"b-loads: {_b_group(nt)} columns at once need shared rows of B ({p.bn}+{p.pad_b}) "
+                                  f"in whole {4 * _b_group(nt)} bytes; use pad_b 0, 4 or 8")
         if p.plant not in PLANTED_BUGS:
             raise ConfigError(f"plant: unknown planted bug {p.plant!r}")
         if (need := self.shared_bytes(shape, p)) > MAX_SHARED_BYTES:
             raise ConfigError(f"shared-memory: {p.stages} stages need {need} bytes, over the {MAX_SHARED_BYTES} a "
                               "block can have; use fewer stages or a smaller tile")
+
+    @staticmethod
+    def wide_row(mt_index: int, group: int, half: int, b_group: int) -> list[str]:
+        """Under wide B loads, the accumulators of one C row a thread stores, in column order: n-tile
+        group·b_group + e holds mma column c' at column (c'·b_group + e) of the group's 8·b_group, so a lane's
+        mma columns 2t and 2t + 1 are 2·b_group adjacent columns, e fastest."""
+        tiles = range(group * b_group, (group + 1) * b_group)
+        return [f"acc[{mt_index}][{j}][{2 * half + c}]" for c in range(2) for j in tiles]
 
     def _tile_copies(self, shape: Shape, p: Params) -> dict[str, int]:
         per_copy = p.copy // _ELEMENT[shape.precision].itemsize
@@ -222,10 +264,11 @@ class MatmulTC(TiledProduct):
     def kernel_name(self, shape: Shape, p: Params) -> str:
         return (f"matmul_tc_{shape.precision}_m{shape.m}_n{shape.n}_k{shape.k}_b{p.bm}x{p.bn}x{p.bk}"
                 f"_w{p.warps_m}x{p.warps_n}_s{p.stages}_p{p.pad_a}x{p.pad_b}_c{p.copy}" + ("_y1" if p.sync == "one" else "")
-                + (f"_bug_{p.plant}" if p.plant else ""))
+                + ("_bw" if p.b_loads == "wide" else "") + (f"_bug_{p.plant}" if p.plant else ""))
 
     def context(self, shape: Shape, p: Params) -> dict[str, Any]:
         element = _ELEMENT[shape.precision]
+        b_group = _b_group(p.bn // p.warps_n // 8) if p.b_loads == "wide" else 0
         return dict(
             M=shape.m, N=shape.n, K=shape.k, PRECISION=shape.precision, MMA_TYPE=_MMA_TYPE[shape.precision],
             SPLIT=shape.precision == "fp32x3", ELEMENT=element.c_type,
@@ -235,7 +278,12 @@ class MatmulTC(TiledProduct):
             A_STAGE=p.bm * (p.bk + p.pad_a), B_STAGE=p.bk * (p.bn + p.pad_b), TILES=-(-shape.k // p.bk),
             COPY=p.copy, PER_COPY=p.copy // element.itemsize,
             A_COPIES=self._tile_copies(shape, p)["A"] // p.threads, B_COPIES=self._tile_copies(shape, p)["B"] // p.threads,
-            PLANT=p.plant, SYNC=p.sync,
+            PLANT=p.plant, SYNC=p.sync, B_GROUP=b_group,
+            # a copy's bounds checks where a tile can reach past M, N or K: a full tile's copies go unguarded, with
+            # no select of address and size (which cost more instructions than the copy)
+            A_IN=_guard(("m0 + mm", shape.m, p.bm), ("k0 + kk", shape.k, p.bk)),
+            B_IN=_guard(("k0 + kk", shape.k, p.bk), ("n0 + nn", shape.n, p.bn)),
+            wide_row=lambda i, q, half: self.wide_row(i, q, half, b_group),
         )
 
     def source(self, shape: Shape, p: Params) -> Source:
