@@ -10,6 +10,7 @@ import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from multiprocessing import forkserver, resource_tracker
 from typing import Any
 
 from mage_gen.census import Census, take_census
@@ -62,13 +63,47 @@ def _start_worker(cache: str | None) -> None:
 
 
 @contextlib.contextmanager
+def _ctrl_c_held() -> Iterator[list[bool]]:
+    """Ctrl-C noted, not raised, while the pool starts (it waits on the fork server's imports): raised half-way,
+    it would leave processes the caller cannot stop, which then start after it exited and fail with
+    tracebacks. The list it yields is non-empty if one came."""
+    pressed: list[bool] = []
+    if threading.current_thread() is not threading.main_thread():  # only the main thread sets handlers
+        yield pressed
+        return
+    previous = signal.signal(signal.SIGINT, lambda *_: pressed.append(True))
+    try:
+        yield pressed
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _start_servers() -> None:
+    """Start the fork server and the resource tracker with Ctrl-C ignored, which they keep (an ignored signal
+    stays ignored across exec): one that lands while they import would kill them half-way, each with a
+    traceback. The caller's own handler is back as soon as they are spawned, before their imports."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread sets handlers
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        resource_tracker.ensure_running()
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
 def _workers(count: int) -> Iterator[Any]:
     """Compile processes that an interrupt or an error stops at once: the workers ignore Ctrl-C (the parent
     alone decides), and on any exception the parent kills them rather than waiting for their queued work,
     so a second Ctrl-C finds nothing to hang on and no process is left behind. The cache stays whole: an
     entry appears by one rename, and a killed compile leaves at most a scratch folder."""
-    pool = _CONTEXT.Pool(count, initializer=_start_worker, initargs=(os.environ.get("MAGE_GEN_CACHE"),))
+    with _ctrl_c_held() as pressed:
+        _start_servers()
+        pool = _CONTEXT.Pool(count, initializer=_start_worker, initargs=(os.environ.get("MAGE_GEN_CACHE"),))
     try:
+        if pressed:
+            raise KeyboardInterrupt
         yield pool
         pool.close()
     except BaseException as exc:

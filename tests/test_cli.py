@@ -224,6 +224,29 @@ def test_ctrl_c_during_a_parallel_compile_stops_at_once_and_leaves_nothing_behin
     assert all({f.name for f in entry.iterdir()} == {"kernel.ptx", "ptxas.log", "kernel.cubin"} for entry in entries)
 
 
+@pytest.mark.parametrize("after_s", [0.0, 0.1, 0.3])
+def test_ctrl_c_while_the_compile_workers_start_is_one_line_and_stops_them(tmp_path, after_s):
+    # The pool waits on the fork server's imports; a Ctrl-C then once killed the server (or a worker the caller
+    # no longer waited for) half-way, each printing a traceback into the user's terminal.
+    import signal
+    import time
+
+    env = {**os.environ, "MAGE_GEN_CACHE": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "mage_gen", "variants", "layernorm", "--d", "1000", "--preset",
+                             "full"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        assert proc.stderr.readline().startswith("compiling ")  # the pool is being started now
+        time.sleep(after_s)
+        os.killpg(proc.pid, signal.SIGINT)
+        rest = proc.communicate(timeout=30)[1]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130 and rest.strip() == "mage-gen: interrupted", rest
+    assert live_in_group(proc.pid, within_s=5) == [], "a compile worker outlived it"
+
+
 def test_a_whole_number_with_a_zero_fraction_is_taken_alike_in_sizes_and_config():
     sizes = mage_gen("inspect", "layernorm", "--d", "768.0", "--json")
     config = mage_gen("inspect", "layernorm", "--d", "768", "--config", "threads=128.0", "--json")
