@@ -196,19 +196,19 @@ def live_in_group(pgid: int, within_s: float) -> list[str]:
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("interrupts", [1, 2])
-def test_ctrl_c_during_a_parallel_compile_stops_at_once_and_leaves_nothing_behind(tmp_path, interrupts):
+def interrupt_a_parallel_compile(cache, after_s: float, interrupts: int = 1) -> tuple[int, str, int]:
+    """(exit code, the rest of stderr, process group) of `variants` interrupted `after_s` after it says it
+    compiles, in its own process group, as a terminal's foreground job: Ctrl-C reaches the workers too."""
     import signal
     import time
 
-    env = {**os.environ, "MAGE_GEN_CACHE": str(tmp_path)}
-    # its own process group, as a terminal's foreground job: Ctrl-C reaches the workers too
+    env = {**os.environ, "MAGE_GEN_CACHE": str(cache)}
     proc = subprocess.Popen([sys.executable, "-m", "mage_gen", "variants", "layernorm", "--d", "1000", "--preset",
                              "full"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
     try:
-        assert proc.stderr.readline().startswith("compiling ")  # the workers are busy
-        time.sleep(1.0)
+        assert proc.stderr.readline().startswith("compiling ")
+        time.sleep(after_s)
         for _ in range(interrupts):
             os.killpg(proc.pid, signal.SIGINT)
             time.sleep(0.05)
@@ -216,9 +216,15 @@ def test_ctrl_c_during_a_parallel_compile_stops_at_once_and_leaves_nothing_behin
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130 and rest.strip().endswith("mage-gen: interrupted"), rest
+    return proc.returncode, rest, proc.pid
+
+
+@pytest.mark.parametrize("interrupts", [1, 2])
+def test_ctrl_c_during_a_parallel_compile_stops_at_once_and_leaves_nothing_behind(tmp_path, interrupts):
+    code, rest, group = interrupt_a_parallel_compile(tmp_path, 1.0, interrupts)  # the workers are busy
+    assert code == 130 and rest.strip().endswith("mage-gen: interrupted"), rest
     assert "Traceback" not in rest
-    assert live_in_group(proc.pid, within_s=5) == [], "a compile worker outlived it"
+    assert live_in_group(group, within_s=5) == [], "a compile worker outlived it"
     # the cache holds whole entries only (a killed compile leaves at most a scratch folder)
     entries = [p for p in (tmp_path / "nvrtc").glob("*/*") if not p.name.startswith(".tmp-")]
     assert all({f.name for f in entry.iterdir()} == {"kernel.ptx", "ptxas.log", "kernel.cubin"} for entry in entries)
@@ -228,23 +234,9 @@ def test_ctrl_c_during_a_parallel_compile_stops_at_once_and_leaves_nothing_behin
 def test_ctrl_c_while_the_compile_workers_start_is_one_line_and_stops_them(tmp_path, after_s):
     # The pool waits on the fork server's imports; a Ctrl-C then once killed the server (or a worker the caller
     # no longer waited for) half-way, each printing a traceback into the user's terminal.
-    import signal
-    import time
-
-    env = {**os.environ, "MAGE_GEN_CACHE": str(tmp_path)}
-    proc = subprocess.Popen([sys.executable, "-m", "mage_gen", "variants", "layernorm", "--d", "1000", "--preset",
-                             "full"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
-    try:
-        assert proc.stderr.readline().startswith("compiling ")  # the pool is being started now
-        time.sleep(after_s)
-        os.killpg(proc.pid, signal.SIGINT)
-        rest = proc.communicate(timeout=30)[1]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130 and rest.strip() == "mage-gen: interrupted", rest
-    assert live_in_group(proc.pid, within_s=5) == [], "a compile worker outlived it"
+    code, rest, group = interrupt_a_parallel_compile(tmp_path, after_s)
+    assert code == 130 and rest.strip() == "mage-gen: interrupted", rest
+    assert live_in_group(group, within_s=5) == [], "a compile worker outlived it"
 
 
 def test_a_whole_number_with_a_zero_fraction_is_taken_alike_in_sizes_and_config():
