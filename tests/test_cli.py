@@ -203,9 +203,11 @@ def interrupt_a_parallel_compile(cache, after_s: float, interrupts: int = 1) -> 
     import time
 
     env = {**os.environ, "MAGE_GEN_CACHE": str(cache)}
+    # SIGINT at its default, as a terminal gives it: a test run started in the background (`cmd &`) inherits it
+    # ignored, and so would the command, which then rightly ignores Ctrl-C
     proc = subprocess.Popen([sys.executable, "-m", "mage_gen", "variants", "layernorm", "--d", "1000", "--preset",
                              "full"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stderr.readline().startswith("compiling ")
         time.sleep(after_s)
