@@ -27,7 +27,7 @@ a warp's fragment loads read 8 rows at once, which a bank sees once each where
   tf32 B (b_loads wide)     the mma column g of n-tile j is put at column (j // G)·8G + g·G + j % G of the
                             warp's tile, G = 2 or 4 n-tiles, so lane (g, t) finds its G values side by side and
                             reads them with one 8- or 16-byte load at word t·(bn + pad_b) + g·G. A 16-byte load is
-                            served 8 lanes at a time (g < 2 or so, t < 4), an 8-byte one 16 at a time: both are
+                            served 8 lanes at a time (g 0-1, t 0-3), an 8-byte one 16 at a time (g 0-3): both are
                             conflict-free where bn + pad_b ≡ 8 (mod 32), e.g. pad_b 8 with bn 32, 64, 128, 256.
                             C follows the same mapping: a lane's accumulators of G n-tiles make 2G adjacent columns
                             of a row, stored 16 bytes at a time where N is a multiple of 4.
