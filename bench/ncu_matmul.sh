@@ -5,16 +5,22 @@
 #
 #     bench/ncu_matmul.sh NAME '{"bm": 128, "bn": 128, "bk": 16, "tm": 16, "tn": 8, ...}'
 #     bench/ncu_matmul.sh cublas_2048 cublas
+#     SHAPE=4096,4096,4096 bench/ncu_matmul.sh tc_bf16_4096 winner bf16     (the tensor-core op's tuned winner)
+#     SHAPE=4096,4096,4096 bench/ncu_matmul.sh cublas_bf16_4096 cublas bf16
 set -euo pipefail
-NAME="$1"; PARAMS="$2"; SHAPE="${SHAPE:-2048,2048,2048}"
+NAME="$1"; PARAMS="$2"; PRECISION="${3:-}"; SHAPE="${SHAPE:-2048,2048,2048}"
 RESULTS="${RESULTS:-bench/results/h200/ncu}"
 mkdir -p "$RESULTS"
-if [[ "$PARAMS" == cublas ]]; then
+if [[ "$PARAMS" == cublas && -z "$PRECISION" ]]; then
     FILTER=(-k regex:Kernel2 -s 2)  # cuBLAS names its FP32 kernel Kernel2<cutlass_80_simt_sgemm_...>
+elif [[ "$PARAMS" == cublas ]]; then
+    FILTER=(-k "regex:nvjet|gemm" -s 2)  # its tensor-core kernels: nvjet_sm90_... (bf16 at 4096³) or ..._gemm_...
+elif [[ -n "$PRECISION" ]]; then
+    FILTER=(-k regex:matmul_tc -s 1)
 else
     FILTER=(-k regex:matmul_m -s 1)
 fi
 ncu --clock-control none --set full -c 1 "${FILTER[@]}" --export "$RESULTS/$NAME" \
-    python3 bench/ncu_matmul_target.py "$SHAPE" "$PARAMS"
+    python3 bench/ncu_matmul_target.py "$SHAPE" "$PARAMS" $PRECISION
 ncu -i "$RESULTS/$NAME.ncu-rep" --page raw --csv > "$RESULTS/$NAME.csv"
 rm -f "$RESULTS/$NAME.ncu-rep"

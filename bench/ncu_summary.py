@@ -1,5 +1,5 @@
 """What limits a matmul kernel, from the raw CSVs bench/ncu_matmul.sh wrote: launch shape, occupancy, issue
-and FMA-pipe utilisation, shared-memory bank conflicts and the leading stall reasons per issued instruction.
+FMA- and tensor-pipe utilisation, shared-memory bank conflicts and the leading stall reasons per issued instruction.
 
     python bench/ncu_summary.py bench/results/h200/ncu/*.csv > bench/results/h200/ncu/summary.txt
 """
@@ -29,6 +29,9 @@ def summarize(path: Path) -> str:
     value, unit = dict(zip(names, values)), dict(zip(names, units))
     lines = [f"== {path.name} {value.get('Kernel Name', '')[:90]}"]
     lines += [f"  {name} = {value[name]} {unit[name]}" for name in METRICS if name in value]
+    # the tensor pipes go by several names across GPUs and ncu versions: every utilisation of one
+    lines += [f"  {name} = {value[name]} {unit[name]}" for name in sorted(value)
+              if "pipe_tensor" in name and name.endswith("pct_of_peak_sustained_active") and value[name] not in ("", "n/a")]
     stalls = sorted(((float(v.replace(",", "")), name[len(STALL_PREFIX):-len(STALL_SUFFIX)])
                      for name, v in value.items()
                      if name.startswith(STALL_PREFIX) and name.endswith(STALL_SUFFIX) and v not in ("", "n/a")),
