@@ -48,6 +48,24 @@ def test_every_quick_variant_compiles_to_its_tiles_mma_count(precision):
         assert c.bar_sync == (1 if p.sync == "one" else 2)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "tf32"])
+def test_the_wide_preset_builds_8_warp_blocks_over_256_wide_tiles_without_spills(precision):
+    shape = OP.shape(m=4096, n=4096, k=4096, precision=precision)
+    valid, _ = expand(OP, shape, load_space(OP, "wide", shape))
+    assert {(p.bm, p.bn) for p in valid} >= {(256, 128), (128, 256)}
+    assert {p.warps_m * p.warps_n for p in valid} == {4, 8}
+    sample = valid[::3]
+    assert {(p.bm, p.bn, p.bk) for p in sample} == {(p.bm, p.bn, p.bk) for p in valid}
+    for v in build_all(OP, shape, sample, "sm_90"):
+        assert v.census.spill_bytes == 0 and v.census.stack_bytes == 0, v.source.kernel_name
+
+
+def test_the_wide_preset_has_no_3xtf32_tile_the_register_rule_admits():
+    shape = OP.shape(m=4096, n=4096, k=4096, precision="fp32x3")
+    valid, rejected = expand(OP, shape, load_space(OP, "wide", shape))
+    assert not valid and {reason.split(":")[0] for _, reason in rejected} == {"registers", "threads"}
+
+
 SMALL = [p for p in expand(OP, OP.shape(m=64, n=64, k=64), load_space(OP, "full"))[0] if p.bm <= 64 and p.bn <= 64]
 
 
