@@ -12,7 +12,7 @@ from mage_gen.compile import compile_source
 from mage_gen.dtypes import BFLOAT16
 from mage_gen.interp import fp
 from mage_gen.interp.errors import DivergenceError, InterpError
-from mage_gen.render import Source, environment, render
+from mage_gen.render import Source, environment
 
 # One warp: its registers loaded from per-lane words (FRAGMENTS) or, through shared memory, by ldmatrix
 # (LDMATRIX); D stored per lane and register.
@@ -232,19 +232,3 @@ def test_ldmatrix_needs_16_byte_aligned_rows():
         interp.run(kernel.ptx, "through_shared", (1,), (32,), 0,
                    [np.zeros(128, np.float32), np.zeros(128, np.uint32), np.zeros(64, np.uint32)])
 
-
-@pytest.mark.parametrize("dtype, k", [("bf16", 16), ("tf32", 8)])
-def test_the_mma_ceiling_probe_ends_where_its_bench_expects(dtype, k):
-    """bench/mma_peak.py gates its probe by every C element equal to iters · K · a · b (a and b the one value
-    in every A and B element): the probe's instruction count and that sum, on the interpreter."""
-    chains, iters, a, b = 3, 5, 2.0, 3.0
-    source = render("probe/mma_peak.cu.j2", {"THREADS": 32, "CHAINS": chains, "DTYPE": dtype}, "probe", None)
-    kernel = compile_source(source)
-    assert sum(take_census(kernel).mma.values()) == chains
-
-    def bits(value: float) -> int:  # bf16 twice in a word, or the fp32 word
-        word = int(np.float32(value).view(np.uint32))
-        return (word >> 16) * 0x10001 if dtype == "bf16" else word
-    out = np.full(32 * chains * 4, np.nan, np.float32)
-    interp.run(kernel.ptx, "probe", (1,), (32,), 0, [out, bits(a), bits(b), iters])
-    assert out.tolist() == [iters * k * a * b] * out.size

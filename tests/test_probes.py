@@ -1,0 +1,45 @@
+"""The ceiling probes of bench/mma_peak.py and bench/l2_read_peak.py (templates/probe/): each ends, on the
+CPU interpreter, exactly where its bench's gate expects, so a probe that does less work than it is timed for
+fails here before it fails on a GPU."""
+
+import numpy as np
+import pytest
+
+from mage_gen import interp
+from mage_gen.census import take_census
+from mage_gen.compile import compile_source
+from mage_gen.render import render
+
+
+@pytest.mark.parametrize("dtype, k", [("bf16", 16), ("tf32", 8)])
+def test_the_mma_probe_sums_iters_times_k_products(dtype, k):
+    """bench/mma_peak.py: every C element equals iters · K · a · b (a and b the one value in every element)."""
+    chains, iters, a, b = 3, 5, 2.0, 3.0
+    kernel = compile_source(render("probe/mma_peak.cu.j2", {"THREADS": 32, "CHAINS": chains, "DTYPE": dtype}, "probe", None))
+    assert sum(take_census(kernel).mma.values()) == chains
+
+    def bits(value: float) -> int:  # bf16 twice in a word, or the fp32 word
+        word = int(np.float32(value).view(np.uint32))
+        return (word >> 16) * 0x10001 if dtype == "bf16" else word
+    out = np.full(32 * chains * 4, np.nan, np.float32)
+    interp.run(kernel.ptx, "probe", (1,), (32,), 0, [out, bits(a), bits(b), iters])
+    assert out.tolist() == [iters * k * a * b] * out.size
+
+
+@pytest.mark.parametrize("stages, rounds", [(2, 7), (3, 7), (4, 2)])
+def test_the_l2_read_probe_xors_every_word_of_the_chunks_it_copies(stages, rounds):
+    """bench/l2_read_peak.py: block b copies chunks (b·rounds + r) mod chunks, r < rounds, and each thread's
+    four words are the xor of what it copied: a chunk copied twice cancels, one skipped shows."""
+    threads, pieces, chunks, blocks = 32, 2, 5, 3
+    kernel = compile_source(render("probe/l2_read.cu.j2", {"THREADS": threads, "PIECES": pieces, "STAGES": stages},
+                                   "probe", None))
+    chunk_bytes = threads * pieces * 16
+    words = np.random.default_rng(stages).integers(0, 2**32, size=chunks * chunk_bytes // 4, dtype=np.uint64).astype(np.uint32)
+    out = np.full(blocks * threads * 4, 0xFFFFFFFF, np.uint32)
+    interp.run(kernel.ptx, "probe", (blocks,), (threads,), stages * chunk_bytes, [out, words, chunks, rounds])
+    per_chunk = np.bitwise_xor.reduce(words.reshape(chunks, pieces, threads, 4), axis=1)
+    for b in range(blocks):
+        odd = np.bincount((b * rounds + np.arange(rounds)) % chunks, minlength=chunks) % 2 == 1
+        want = np.bitwise_xor.reduce(per_chunk[odd], axis=0) if odd.any() else np.zeros((threads, 4), np.uint32)
+        assert np.array_equal(out.reshape(blocks, threads, 4)[b], want), b
+    assert take_census(kernel).cp_async == {16: pieces * stages}  # STAGES - 1 rounds before the loop, one in it
