@@ -10,12 +10,14 @@ launches and little else. One line per kernel; exits 1 if any gate fails or any 
 built, 2 where nothing could be run (no GPU, no tuned/ folder for it, bad arguments).
 
     python bench/sanitize.py --op layernorm --limit 2
+    python bench/sanitize.py --op matmul_tc --grid 512,512     (racecheck at a 4096³ winner's full grid takes minutes)
     python bench/sanitize.py --gpu 'NVIDIA H200' --list      (compiles, launches nothing: no GPU needed)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass
@@ -58,10 +60,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="load and compile the winners, print what would be launched, launch nothing")
     parser.add_argument("--arch", default=DEFAULT_ARCH, help=f"with --list and --gpu: compile for this "
                         f"architecture (default {DEFAULT_ARCH}); otherwise the GPU's own is used")
+    parser.add_argument("--grid", metavar="M,N", type=grid_size,
+                        help="matmul winners gated at M×N instead, K as tuned: the same blocks' code (every K tile, "
+                             "copies unguarded where the tiles divide M and N) over fewer blocks, for a tool too slow "
+                             "for the full grid")
     args = parser.parse_args(argv)
     if args.limit is not None and args.limit < 1:
         parser.error(f"--limit must be 1 or more, got {args.limit}")
     return args
+
+
+def grid_size(text: str) -> tuple[int, int]:
+    try:
+        m, n = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give M,N, e.g. 512,512") from None
+    if m < 1 or n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: M and N must be 1 or more")
+    return m, n
+
+
+def on_grid(stored: Stored, grid: tuple[int, int]) -> Stored:
+    """The winner at M×N = grid where its tiles divide them (so its copies are the same unguarded ones);
+    otherwise unusable, with the reason."""
+    if stored.unusable or not hasattr(stored.params, "bm"):
+        return stored
+    m, n = grid
+    if m % stored.params.bm or n % stored.params.bn:
+        return dataclasses.replace(stored, unusable=f"--grid {m},{n}: its {stored.params.bm}×{stored.params.bn} "
+                                                    "tiles do not divide it (the copies would be guarded: other code)")
+    return dataclasses.replace(stored, shape=dataclasses.replace(stored.shape, m=m, n=n),
+                               shape_key=f"{stored.shape_key} at m={m},n={n}")
 
 
 def stored_winners(ops: list[Op], gpu_name: str) -> list[Stored]:
@@ -174,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         ops = [OPS[args.op]] if args.op else list(OPS.values())
         winners = [w for w in stored_winners(ops, gpu_name) if not args.shape or args.shape in w.shape_key]
         winners = winners[:args.limit]
+        if args.grid:
+            winners = [on_grid(w, args.grid) for w in winners]
         if not winners:
             folder = store_file(ops[0].name, gpu_name).parent
             raise MageError(f"no tuned winners of {', '.join(op.name for op in ops)} in {folder}; "
