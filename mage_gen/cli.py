@@ -312,11 +312,19 @@ def _compiling(total: int, what: str) -> Iterator[Callable[[], None]]:
     def advance() -> None:
         nonlocal done
         done += 1
-        if done == total or done * 10 // total > (done - 1) * 10 // total:
-            err.print(f"  {done}/{total} in {time.monotonic() - started:.0f} s", markup=False, highlight=False,
-                      soft_wrap=True)
+        if _a_tenth_more(done, total):
+            _log(f"  {done}/{total} in {time.monotonic() - started:.0f} s")
 
     yield advance
+
+
+def _a_tenth_more(done: int, total: int) -> bool:
+    """Whether `done` of `total` is the last, or the first past another tenth: where a log gets a line."""
+    return done == total or total > 0 and done * 10 // total > (done - 1) * 10 // total
+
+
+def _log(line: str) -> None:
+    err.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 def _this_gpu() -> str:
@@ -704,6 +712,8 @@ def _tune_size_class(op: Op, shape: Any, run: dict[str, int], space: Any, replay
         def report(stage: str, done: int, total: int) -> None:
             began.setdefault(stage, time.monotonic())
             progress.update(trial_task, description=stages[stage], completed=done, total=total)
+            if not err.is_terminal and _a_tenth_more(done, total):  # a log or a pipe: a line at every tenth
+                _log(f"  {stages[stage]} {done}/{total} in {time.monotonic() - began[stage]:.0f} s")
 
         try:
             result = tune_search(op, shape, run, space, backend, seed=seed, progress=report,

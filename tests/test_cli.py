@@ -144,6 +144,18 @@ def test_variants_into_a_pipe_prints_a_plan_and_progress(tmp_path):
     assert f"0 compiled, {total} read from the compile cache" in again.stderr.strip().splitlines()[-1]
 
 
+def test_a_tune_into_a_log_says_how_far_it_got_at_every_tenth(tmp_path):
+    recording = os.path.join(os.path.dirname(__file__), "fixtures", "layernorm_trials_h200_d768_m4096.json")
+    done = subprocess.run([sys.executable, "-m", "mage_gen", "tune", "layernorm", "--d", "768", "--replay", recording,
+                           "--trials", "20", "--out", str(tmp_path / "k")], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "XDG_DATA_HOME": str(tmp_path), "MAGE_GEN_TUNED": str(tmp_path / "tuned"),
+                               "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 0, done.stderr
+    measuring = [line.split()[1] for line in done.stderr.splitlines() if line.strip().startswith("measuring ")]
+    assert measuring == [f"{n}/20" for n in range(2, 21, 2)]  # one line a tenth, the last at the budget
+    assert any(line.strip().startswith("re-timing finalists 0/") for line in done.stderr.splitlines())
+
+
 def test_the_variants_table_shows_the_rows_loads_not_a_weight_vectors():
     # x, w and b are each loaded 12 times here: the column must name the rows, not the first tensor by name
     from mage_gen.cli import _loads_summary
