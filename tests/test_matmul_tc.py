@@ -23,8 +23,8 @@ OP = get_op("matmul_tc")
 def test_every_quick_variant_compiles_to_its_tiles_mma_count(precision):
     shape = OP.shape(m=1000, n=1000, k=1000, precision=precision)
     valid, _ = expand(OP, shape, load_space(OP, "quick", shape))
-    sample = valid[::3]  # every third (odd: the last axis alternates), every value of every axis kept
-    for axis in ("bm", "bn", "bk", "warps_m", "warps_n", "stages", "b_loads"):
+    sample = valid[::5]  # every fifth (odd, prime to the last axes' periods): every value of every axis kept
+    for axis in ("bm", "bn", "bk", "warps_m", "warps_n", "stages", "b_loads", "prefetch"):
         assert {getattr(p, axis) for p in sample} == {getattr(p, axis) for p in valid}, axis
     step, kind = (16, "bf16") if precision == "bf16" else (8, "tf32")
     split = 2 if precision == "fp32x3" else 1  # a high and a low tf32 part of every element
@@ -34,18 +34,24 @@ def test_every_quick_variant_compiles_to_its_tiles_mma_count(precision):
         assert c.spill_bytes == 0 and c.stack_bytes == 0, v.source.kernel_name
         # 3xTF32: small·big, big·small and big·big for every pair of tiles
         assert c.mma == {f"m16n8k{step}.{kind}": (2 * split - 1) * mt * nt * p.bk // step}, c.mma
+        # fragments loaded ahead: the first K step's once more, before the loop
+        steps = p.bk // step + (1 if p.prefetch == "next" else 0)
         if precision == "bf16":
-            assert c.ldmatrix == {"x4": mt * p.bk // 16, "x2.trans": nt * p.bk // 16}, c.ldmatrix
+            assert c.ldmatrix == {"x4": mt * steps, "x2.trans": nt * steps}, c.ldmatrix
         else:
             # A by ldmatrix (a 16-byte row holds 4 fp32), B by shared loads; every fragment element rounded
-            assert c.ldmatrix == {"x4": mt * p.bk // 8} and c.tf32_round == split * (4 * mt + 2 * nt) * p.bk // 8
+            assert c.ldmatrix == {"x4": mt * steps} and c.tf32_round == split * (4 * mt + 2 * nt) * steps
         if p.b_loads == "wide":  # a lane's columns of 2 or 4 n-tiles side by side; N = 1000 is a multiple of 4
             assert c.stores_of("C", "v4") == c.stores_of("C") == mt * nt
         else:
             assert c.stores_of("C", "v2") == c.stores_of("C") == 2 * mt * nt  # N = 1000 is even: column pairs
-        # one barrier per tile waits for one group fewer in flight, and has no barrier after the multiply
-        assert c.wait_groups == {p.stages - (2 if p.sync == "one" else 1): 1}
-        assert c.bar_sync == (1 if p.sync == "one" else 2)
+        # one barrier per tile waits for one group fewer in flight, and has no barrier after the multiply;
+        # fragments loaded ahead wait for the first tile, with all stages in flight, before the loop
+        if p.prefetch == "next":
+            assert c.wait_groups == {p.stages - 1: 1, p.stages - 2: 1} and c.bar_sync == 2
+        else:
+            assert c.wait_groups == {p.stages - (2 if p.sync == "one" else 1): 1}
+            assert c.bar_sync == (1 if p.sync == "one" else 2)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "tf32"])
@@ -103,14 +109,20 @@ def test_3xtf32_is_near_fp32_where_tf32_is_not():
 
 @pytest.mark.parametrize("plant", ["stage_off_by_one", "loose_wait"])
 @pytest.mark.parametrize("precision", ["bf16", "tf32"])
-@pytest.mark.parametrize("sync", ["two", "one"])
-def test_the_planted_pipeline_bugs_fail_the_gate(plant, precision, sync):
+@pytest.mark.parametrize("sync, prefetch", [("two", "none"), ("one", "none"), ("one", "next")])
+def test_the_planted_pipeline_bugs_fail_the_gate(plant, precision, sync, prefetch):
     shape = OP.shape(m=64, n=64, k=96, precision=precision)
-    params = OP.params_from_dict({"bm": 64, "bn": 64, "bk": 16, "stages": 2, "sync": sync, "plant": plant})
+    params = OP.params_from_dict({"bm": 64, "bn": 64, "bk": 32 if prefetch == "next" else 16, "stages": 2,
+                                  "sync": sync, "prefetch": prefetch, "plant": plant})
     assert interp.gate(OP, shape, build(OP, shape, dataclasses.replace(params, plant=""), "sm_90"), {},
                        np.random.default_rng(0)).passed  # the config itself is right
     result = interp.gate(OP, shape, build(OP, shape, params, "sm_90"), {}, np.random.default_rng(0))
     assert not result.passed and "cp.async" in result.reason
+
+
+def c_of(shape, inputs: dict, values: dict) -> np.ndarray:
+    """C of the variant with these params, on the interpreter."""
+    return interp.launch_with(OP, shape, build(OP, shape, OP.params_from_dict(values), "sm_90"), {}, inputs)["C"]
 
 
 @pytest.mark.parametrize("dims, values", [
@@ -124,13 +136,23 @@ def test_wide_b_loads_compute_what_word_loads_do_bit_for_bit(dims, values, preci
     m, n, k = dims
     shape = OP.shape(m=m, n=n, k=k, precision=precision)
     inputs = OP.make_inputs(shape, {}, np.random.default_rng(3))
-    outputs = {}
-    for b_loads in ("word", "wide"):
-        variant = build(OP, shape, OP.params_from_dict({**values, "b_loads": b_loads}), "sm_90")
-        outputs[b_loads] = interp.launch_with(OP, shape, variant, {}, inputs)["C"]
+    outputs = {b: c_of(shape, inputs, {**values, "b_loads": b}) for b in ("word", "wide")}
     assert np.isfinite(outputs["wide"]).all() and np.array_equal(outputs["word"], outputs["wide"])
     reference = OP.reference(shape, inputs, {})["C"]
     assert np.linalg.norm(outputs["wide"] - reference) <= OP.tolerance_of(shape, "C", FLOAT32) * np.linalg.norm(reference)
+
+
+@pytest.mark.parametrize("precision, dims, values", [
+    ("bf16", (50, 70, 100), {"bm": 32, "bn": 32, "bk": 32, "stages": 3}),  # tails; a last tile part K
+    ("tf32", (40, 36, 40), {"bm": 32, "bn": 32, "bk": 16, "stages": 2, "pad_a": 4, "b_loads": "wide"}),
+    ("fp32x3", (64, 64, 16), {"bm": 64, "bn": 64, "bk": 16, "stages": 4, "pad_a": 4}),  # one tile, four stages
+])
+def test_fragments_loaded_ahead_compute_what_step_loads_do_bit_for_bit(precision, dims, values):
+    # the same mma in the same order into the same accumulators, only the loads moved: C must not change a bit
+    shape = OP.shape(*dims, precision=precision)
+    inputs = OP.make_inputs(shape, {}, np.random.default_rng(5))
+    outputs = {f: c_of(shape, inputs, {**values, "sync": "one", "prefetch": f}) for f in ("none", "next")}
+    assert np.isfinite(outputs["next"]).all() and np.array_equal(outputs["none"], outputs["next"])
 
 
 def test_wide_b_loads_read_b_a_vector_at_a_time():
@@ -153,6 +175,9 @@ def test_wide_b_loads_read_b_a_vector_at_a_time():
     ({"m": 64, "n": 64, "k": 64}, {"b_loads": "wide"}, "b-loads"),  # bf16: B by ldmatrix
     ({"m": 64, "n": 64, "k": 64, "precision": "tf32"}, {"bn": 32, "warps_n": 4, "bk": 16, "b_loads": "wide"}, "b-loads"),
     ({"m": 64, "n": 64, "k": 64, "precision": "tf32"}, {"bk": 16, "pad_b": 1, "b_loads": "wide"}, "b-loads"),
+    ({"m": 64, "n": 64, "k": 64}, {"prefetch": "next"}, "prefetch"),  # two barriers per tile
+    ({"m": 64, "n": 64, "k": 64}, {"bk": 16, "sync": "one", "prefetch": "next"}, "prefetch"),  # one K step a tile
+    ({"m": 64, "n": 64, "k": 64}, {"prefetch": "soon"}, "prefetch"),
 ])
 def test_rules_refuse_what_cannot_be_built(dims, values, rule):
     with pytest.raises(ConfigError, match=f"^{rule}:"):

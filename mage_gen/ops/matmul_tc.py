@@ -68,6 +68,7 @@ _HIDDEN = frozenset({"plant"})
 COPY_WIDTHS = (4, 8, 16)  # bytes per cp.async
 SYNCS = ("two", "one")  # barriers per K tile
 B_LOADS = ("word", "wide")  # how a tf32 B fragment leaves shared memory
+PREFETCHES = ("none", "next")  # fragments loaded by the K step that uses them, or one step ahead
 
 
 def _guard(*bounds: tuple[str, int, int]) -> str:
@@ -106,6 +107,9 @@ class Params:
     # word: each tf32 B fragment register by its own 4-byte shared load; wide: the columns a lane owns in up to 4
     # n-tiles made adjacent, so one 8- or 16-byte load fills them all (C is stored through the same mapping)
     b_loads: str = "word"
+    # none: a K step loads its fragments, then multiplies; next: they are loaded while the step before multiplies
+    # (two fragment buffers), the next tile's first ones across the tile's one barrier, STAGES tiles in flight
+    prefetch: str = "none"
     plant: str = ""  # a deliberate pipeline bug, for the tests of the gate only
 
     @property
@@ -115,7 +119,7 @@ class Params:
     def label(self) -> str:
         return (f"{self.bm}x{self.bn}x{self.bk} warps{self.warps_m}x{self.warps_n} s{self.stages} pad{self.pad_a}/{self.pad_b} "
                 f"copy{self.copy}B" + (" one-barrier" if self.sync == "one" else "") + (" wide-B" if self.b_loads == "wide" else "")
-                + (f" PLANTED {self.plant}" if self.plant else ""))
+                + (" prefetch" if self.prefetch == "next" else "") + (f" PLANTED {self.plant}" if self.plant else ""))
 
 
 class MatmulTC(TiledProduct):
@@ -238,6 +242,16 @@ class MatmulTC(TiledProduct):
             if ((p.bn + p.pad_b) * size) % (4 * _b_group(nt)):
                 raise ConfigError(f"b-loads: {_b_group(nt)} columns at once need shared rows of B ({p.bn}+{p.pad_b}) "
                                   f"in whole {4 * _b_group(nt)} bytes; use pad_b 0, 4 or 8")
+        if p.prefetch not in PREFETCHES:
+            raise ConfigError(f"prefetch: prefetch is one of {PREFETCHES}, got {p.prefetch!r}")
+        if p.prefetch == "next":
+            if p.sync != "one" or p.stages < 2:
+                raise ConfigError("prefetch: fragments loaded ahead go with one barrier per tile (sync one) and 2 or "
+                                  "more stages: the barrier frees the stage whose fragments every warp holds")
+            if (p.bk // step) % 2:
+                raise ConfigError(f"prefetch: a tile of bk={p.bk} is {p.bk // step} K steps; fragments loaded ahead "
+                                  "alternate between two buffers, so each tile must end on the second: use an even "
+                                  "number of steps")
         if p.plant not in PLANTED_BUGS:
             raise ConfigError(f"plant: unknown planted bug {p.plant!r}")
         if (need := self.shared_bytes(shape, p)) > MAX_SHARED_BYTES:
@@ -264,7 +278,7 @@ class MatmulTC(TiledProduct):
     def kernel_name(self, shape: Shape, p: Params) -> str:
         return (f"matmul_tc_{shape.precision}_m{shape.m}_n{shape.n}_k{shape.k}_b{p.bm}x{p.bn}x{p.bk}"
                 f"_w{p.warps_m}x{p.warps_n}_s{p.stages}_p{p.pad_a}x{p.pad_b}_c{p.copy}" + ("_y1" if p.sync == "one" else "")
-                + ("_bw" if p.b_loads == "wide" else "") + (f"_bug_{p.plant}" if p.plant else ""))
+                + ("_bw" if p.b_loads == "wide" else "") + ("_pf" if p.prefetch == "next" else "") + (f"_bug_{p.plant}" if p.plant else ""))
 
     def context(self, shape: Shape, p: Params) -> dict[str, Any]:
         element = _ELEMENT[shape.precision]
@@ -278,7 +292,7 @@ class MatmulTC(TiledProduct):
             A_STAGE=p.bm * (p.bk + p.pad_a), B_STAGE=p.bk * (p.bn + p.pad_b), TILES=-(-shape.k // p.bk),
             COPY=p.copy, PER_COPY=p.copy // element.itemsize,
             A_COPIES=self._tile_copies(shape, p)["A"] // p.threads, B_COPIES=self._tile_copies(shape, p)["B"] // p.threads,
-            PLANT=p.plant, SYNC=p.sync, B_GROUP=b_group,
+            PLANT=p.plant, SYNC=p.sync, B_GROUP=b_group, PREFETCH=p.prefetch == "next",
             # a copy's bounds checks where a tile can reach past M, N or K: a full tile's copies go unguarded, with
             # no select of address and size (which cost more instructions than the copy)
             A_IN=_guard(("m0 + mm", shape.m, p.bm), ("k0 + kk", shape.k, p.bk)),
