@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -26,6 +27,7 @@ from mage_gen.errors import StoreError
 from mage_gen.measure import Bench, interleave, relative_error
 from mage_gen.ops import get_op
 from mage_gen.peers import make_peers
+from mage_gen.store import gpu_slug
 from mage_gen.variants import build
 
 from _common import provenance, timing_method, winner_params, write_result  # bench/_common.py, beside this script
@@ -101,6 +103,23 @@ def bench_one(op, shape, params, chosen: str, device) -> dict:
     return result
 
 
+def against_the_ceiling(rows: list[dict], device) -> dict | None:
+    """Each precision's TFLOP/s at 4096³ as a share of mma.sync's own ceiling on this GPU, where
+    bench/mma_peak.py has measured it (3xTF32 counted as three tf32 products): how far the kernel is from what
+    its instruction gives, beside how far the instruction is from cuBLAS."""
+    path = Path("bench/results") / gpu_slug(device.name) / "mma_peak.json"
+    if not path.is_file():
+        return None
+    peak = json.loads(path.read_text())
+    shares = {}
+    for r in rows:
+        if (r["m"], r["n"], r["k"]) == (4096, 4096, 4096) and "timings" in r:
+            kind, products = ("bf16", 1) if r["precision"] == "bf16" else ("tf32", 3 if r["precision"] == "fp32x3" else 1)
+            shares[r["precision"]] = products * r["timings"]["mage-gen"]["hot_tflops"] / peak["ceiling"][kind]["tflops"]
+    return {"from": str(path), "date": peak.get("date"), "ceiling_tflops": {k: v["tflops"] for k, v in peak["ceiling"].items()},
+            "share_of_ceiling_at_4096": shares, "instruction_bounds": peak["bounds"]}
+
+
 def summarize(rows: list[dict]) -> dict:
     """The issue's figures, each with its value; a shape not timed or a peer missing fails its target."""
     at = {(r["m"], r["n"], r["k"], r["precision"]): r for r in rows}
@@ -156,6 +175,7 @@ def main() -> None:
                   f"  × Triton {r['hot_ratio'].get('triton', float('nan')):.3f}  rel.err {t['mage-gen']['relative_error']:.2e}"
                   f" (cuBLAS {t.get('cublas', {}).get('relative_error', float('nan')):.2e})", flush=True)
     summary = summarize(rows)
+    summary["mma_sync_ceiling"] = against_the_ceiling(rows, device)
     doc = {
         "what": "mage-gen tensor-core matmul (mma.sync from PTX) vs cuBLAS and Triton at each precision, "
                 "recorded by bench/matmul_tc.py",
