@@ -40,15 +40,17 @@ def test_drawn_variants_match_the_float64_reference(device, stream, data):
 
 @pytest.mark.parametrize("precision", ["bf16", "tf32", "fp32x3"])
 @pytest.mark.parametrize("plant", ["stage_off_by_one", "loose_wait"])
-@pytest.mark.parametrize("sync", ["two", "one"])
-def test_the_gate_rejects_each_planted_pipeline_bug(device, stream, plant, precision, sync):
+@pytest.mark.parametrize("sync, prefetch", [("two", "none"), ("one", "none"), ("one", "next")])
+def test_the_gate_rejects_each_planted_pipeline_bug(device, stream, plant, precision, sync, prefetch):
     # A loose wait is a race: it shows only where a stage is read before its copy lands. Two stages leave the
     # least slack, and inputs that C's poisoning (64 MB) pushes out of L2 make the first tiles come from DRAM.
     # With three stages at 256² (inputs in L2) the copies landed in time and the planted kernel passed on an
     # H200; at this size it failed 5 of 5 fresh inputs at every precision and sync (bench/
     # tc_loose_wait_probe.py, results/h200/tc_loose_wait_probe_*.json).
     shape = OP.shape(m=4096, n=4096, k=1024, precision=precision)
-    values = {"bm": 64, "bn": 64, "bk": 16, "stages": 2, "sync": sync}
+    # fragments loaded ahead take an even number of K steps a tile: bf16 bk 32
+    bk = 32 if prefetch == "next" and precision == "bf16" else 16
+    values = {"bm": 64, "bn": 64, "bk": bk, "stages": 2, "sync": sync, "prefetch": prefetch}
     assert run_gate(device, stream, shape, OP.params_from_dict(values)).passed  # the unplanted config is right
     result = run_gate(device, stream, shape, OP.params_from_dict({**values, "plant": plant}), seed=1)
     assert not result.passed and result.reason
