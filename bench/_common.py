@@ -7,7 +7,9 @@ import datetime
 import math
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,6 +32,19 @@ def winner_params(op, shape, device, tune_missing: bool, tune_flags: list[str], 
             raise
     subprocess.run([sys.executable, "-m", "mage_gen", "tune", op.name, *tune_flags, "--out", TUNE_OUT], check=True)
     return load_winner(op, shape, device.name, run, l2_bytes=device.l2_bytes).params
+
+
+def passing(checked: Iterable[tuple[Any, str]]) -> tuple[list, dict[str, str]]:
+    """From (probe, its gate's reason, empty when it passed) pairs: the probes that passed, to be timed, and
+    each failed one's reason by its name (printed as it comes); a probe that failed is never timed."""
+    passed, failed = [], {}
+    for probe, reason in checked:
+        if reason:
+            failed[probe.name] = reason
+            print(f"{probe.name}: FAILED GATE {reason}", flush=True)
+        else:
+            passed.append(probe)
+    return passed, failed
 
 
 def geomean(values: list[float]) -> float | None:

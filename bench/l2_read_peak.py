@@ -29,7 +29,7 @@ from mage_gen.peers import TorchSubject
 from mage_gen.render import render
 from mage_gen.store import gpu_slug
 
-from _common import provenance, timing_method, write_result  # bench/_common.py, beside this script
+from _common import passing, provenance, timing_method, write_result  # bench/_common.py, beside this script
 
 THREADS = (128, 256)
 PIECES = (2, 4)  # 16-byte copies per thread per round
@@ -102,23 +102,20 @@ def matmul_reads(device: gpu.DeviceInfo) -> list[dict]:
 def main() -> None:
     device = gpu.open_device()
     rng = np.random.default_rng()
-    probes, failed = [], {}
-    for mb in BUFFER_MB:
-        if mb << 20 > device.l2_bytes // 1.4:
-            print(f"{mb} MB is not well inside this GPU's {device.l2_bytes >> 20} MB of L2: skipped", flush=True)
-            continue
-        words = rng.integers(0, 2**32, size=(mb << 20) // 4, dtype=np.uint64).astype(np.uint32)
-        buffer = torch.from_numpy(words.view(np.int32)).cuda()
-        for threads, pieces, blocks in itertools.product(THREADS, PIECES, BLOCKS_PER_SM):
-            if blocks * STAGES * threads * pieces * 16 > device.max_shared_per_block:
-                continue  # cannot be resident `blocks` at a time
-            probe = Probe(threads, pieces, blocks, buffer, device)
-            reason = probe.gate(words)
-            if reason:
-                failed[probe.name] = reason
-                print(f"{probe.name}: FAILED GATE {reason}", flush=True)
-            else:
-                probes.append(probe)
+
+    def checked():
+        for mb in BUFFER_MB:
+            if mb << 20 > device.l2_bytes // 1.4:
+                print(f"{mb} MB is not well inside this GPU's {device.l2_bytes >> 20} MB of L2: skipped", flush=True)
+                continue
+            words = rng.integers(0, 2**32, size=(mb << 20) // 4, dtype=np.uint64).astype(np.uint32)
+            buffer = torch.from_numpy(words.view(np.int32)).cuda()
+            for threads, pieces, blocks in itertools.product(THREADS, PIECES, BLOCKS_PER_SM):
+                if blocks * STAGES * threads * pieces * 16 > device.max_shared_per_block:
+                    continue  # cannot be resident `blocks` at a time
+                probe = Probe(threads, pieces, blocks, buffer, device)
+                yield probe, probe.gate(words)
+    probes, failed = passing(checked())
     subjects = [TorchSubject(p.name, p.launch, {"threads": p.threads, "pieces": p.pieces,
                                                 "blocks_per_sm": p.blocks}) for p in probes]
     hot = interleave(subjects, "hot", ROUNDS_PER_BENCH, PER_ROUND)

@@ -27,7 +27,7 @@ from mage_gen.measure import interleave
 from mage_gen.peers import TorchSubject
 from mage_gen.render import render
 
-from _common import provenance, timing_method, write_result  # bench/_common.py, beside this script
+from _common import passing, provenance, timing_method, write_result  # bench/_common.py, beside this script
 
 K_OF = {"bf16": 16, "tf32": 8}  # m16n8k16 and m16n8k8
 WARPS_PER_BLOCK = 4
@@ -99,15 +99,8 @@ def cublas_subjects() -> list[TorchSubject]:
 def main() -> None:
     device = gpu.open_device()
     rng = np.random.default_rng()
-    probes, failed = [], {}
-    for dtype, chains, blocks in itertools.product(K_OF, CHAINS, BLOCKS_PER_SM):
-        probe = Probe(dtype, chains, blocks, device)
-        reason = probe.gate(rng)
-        if reason:
-            failed[probe.name] = reason
-            print(f"{probe.name}: FAILED GATE {reason}", flush=True)
-        else:
-            probes.append(probe)
+    built = (Probe(dtype, chains, blocks, device) for dtype, chains, blocks in itertools.product(K_OF, CHAINS, BLOCKS_PER_SM))
+    probes, failed = passing((probe, probe.gate(rng)) for probe in built)
     subjects = [p.subject() for p in probes] + cublas_subjects()
     hot = interleave(subjects, "hot", ROUNDS, PER_ROUND)
     rows = []
