@@ -173,6 +173,16 @@ def shape_entries(op: Op, shape: Any, gpu_name: str, directory: Path | None = No
             if key == prefix or key.startswith(prefix + "/")}
 
 
+def stored_params(op: Op, shape: Any, run: dict[str, int], gpu_name: str, directory: Path | None = None) -> Any:
+    """The params of this size class's stored winner, or None where none is stored or this mage-gen cannot
+    build them; stale or not (a retune starts from them whatever their kernel text is now)."""
+    entry = shape_entries(op, shape, gpu_name, directory).get(entry_key(op, shape, run))
+    try:
+        return op.params_from_dict(entry["params"]) if entry else None
+    except (ConfigError, KeyError, TypeError):
+        return None
+
+
 def load_winners(op: Op, shape: Any, gpu_name: str, directory: Path | None = None) -> list[Winner]:
     """The stored winner of every size class of a shape, smallest run size first; each refused when the
     templates changed since it was tuned."""

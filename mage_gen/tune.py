@@ -182,10 +182,12 @@ def space_id(space: Space) -> str:
 def tune(op: Op, shape: Any, run: dict[str, int], space: Space, backend: Backend, *, objective: str = "hot",
          trials: int | None = None, storage: Any = None, study_name: str | None = None, seed: int = 0,
          progress: Callable[[str, int, int], None] | None = None,
-         helpers: Callable[[optuna.Study], Any] | None = None) -> TuneResult:
+         helpers: Callable[[optuna.Study], Any] | None = None, incumbent: Any = None) -> TuneResult:
     """Search, then re-time the finalists beside the peers. storage: a URL or an Optuna storage. helpers: called
     with the opened study, it starts other workers on it (fleet.py) and returns a handle whose wait() is called
-    before the final round; their trials count towards the same budget."""
+    before the final round; their trials count towards the same budget. incumbent: the params of the size
+    class's stored winner; where they lie in the space and the study has not measured them, they are measured
+    first, so that a search over another preset always has the stored winner among its candidates."""
     if objective not in ("hot", "cold"):
         raise ConfigError(f"objective: must be 'hot' or 'cold', got {objective!r}")
     valid, rejected = expand(op, shape, space)
@@ -203,6 +205,8 @@ def tune(op: Op, shape: Any, run: dict[str, int], space: Space, backend: Backend
     study = _open_study(name, storage or default_storage(), _sampler(exhaustive, seed), identity)
     study.set_user_attr("budget", budget)  # what a worker joining the study measures towards
     from_earlier_runs = len(_finished(study, op, shape, valid))
+    if incumbent is not None and from_earlier_runs < budget:
+        _start_with(study, op, shape, valid, incumbent)
     # Compile in parallel, up front, what the search will measure (all of it when exhaustive; every unmeasured
     # config where TPE will try most of them); each trial then finds its variant in the cache.
     unmeasured = [p for k, p in _keys(op, valid).items() if k not in _finished(study, op, shape, valid)]
@@ -220,6 +224,17 @@ def tune(op: Op, shape: Any, run: dict[str, int], space: Space, backend: Backend
     done = _finished(study, op, shape, valid)
     return _finish(op, shape, study, done, valid, rejected, backend, objective, measured, from_earlier_runs,
                    "exhaustive" if exhaustive else "tpe", progress)
+
+
+def _start_with(study: optuna.Study, op: Op, shape: Any, valid: list[Any], params: Any) -> None:
+    """Enqueue params as the study's next trial unless they are outside the space or measured already."""
+    key = params_key(op, params)
+    if key not in _keys(op, valid) or key in _finished(study, op, shape, valid):
+        return
+    fixed = json.loads(key)
+    waiting = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
+    if not any(t.system_attrs.get("fixed_params") == fixed for t in waiting):  # left by an interrupted run
+        study.enqueue_trial(fixed)
 
 
 def _sampler(exhaustive: bool, seed: int) -> optuna.samplers.BaseSampler:

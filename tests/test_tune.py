@@ -264,6 +264,43 @@ def test_exhaustive_rerun_measures_the_rest(recording_path, small, tmp_path):
     assert result.measured == len(valid) - 4
 
 
+# ---- a retune starts from the stored winner ----
+
+def test_the_stored_winner_is_measured_first_where_the_search_would_not_reach_it(recording_path, recording,
+                                                                                 recorded, tmp_path):
+    valid, _ = expand(OP, SHAPE, recorded)
+    plain = Recorder(recording_path)
+    (tmp_path / "plain").mkdir()
+    run_tune(plain, recorded, tmp_path / "plain", study_name="plain", trials=6)
+    # the fastest config the same search leaves unmeasured: only the incumbent can bring it in
+    unreached = [p for p in valid if OP.kernel_name(SHAPE, p) not in plain.evaluated
+                 and hot_median(recording, OP.kernel_name(SHAPE, p)) is not None]
+    stored = min(unreached, key=lambda p: hot_median(recording, OP.kernel_name(SHAPE, p)))
+    backend = Recorder(recording_path)
+    (tmp_path / "seeded").mkdir()
+    run_tune(backend, recorded, tmp_path / "seeded", study_name="seeded", trials=6, incumbent=stored)
+    name = OP.kernel_name(SHAPE, stored)
+    assert backend.evaluated[0] == name and name not in plain.evaluated
+    assert len(backend.evaluated) == len(set(backend.evaluated)) == 6  # within the budget, never twice
+    assert name in backend.finalists
+
+
+def test_a_stored_winner_measured_already_or_outside_the_space_is_not_measured_for_it(recording_path, recorded,
+                                                                                      small, tmp_path):
+    first = Recorder(recording_path)
+    run_tune(first, recorded, tmp_path, study_name="resume", trials=4)
+    measured = next(p for p in expand(OP, SHAPE, recorded)[0] if OP.kernel_name(SHAPE, p) == first.evaluated[-1])
+    again = Recorder(recording_path)
+    run_tune(again, recorded, tmp_path, study_name="resume", trials=6, incumbent=measured)
+    assert len(again.evaluated) == 2 and not set(again.evaluated) & set(first.evaluated)
+    # small is searched exhaustively, in order: a config outside it does not jump the queue or join it
+    valid, _ = expand(OP, SHAPE, small)
+    outside = next(p for p in expand(OP, SHAPE, recorded)[0] if p not in valid)
+    exhaustive = Recorder(recording_path)
+    run_tune(exhaustive, small, tmp_path, study_name="small", trials=3, incumbent=outside)
+    assert exhaustive.evaluated == kernels(valid)[:3]
+
+
 # ---- failures ----
 
 def test_failed_gate_is_a_failed_trial_with_its_reason_never_a_finalist(recording, small, tmp_path):
@@ -509,6 +546,21 @@ def test_cli_tune_from_a_recording_stores_and_emits_the_winner(recording_path, r
     assert launch["kernel"] == winner and launch["provenance"]["kernel"] == winner
     cubin = "layernorm_d768_m4096.cubin"
     assert (tmp_path / "e" / cubin).read_bytes() == (tmp_path / "k" / cubin).read_bytes()
+
+
+def test_cli_retune_measures_the_stored_winner_first(recording_path, tmp_path):
+    env = {**os.environ, "MAGE_GEN_TUNED": str(tmp_path / "tuned")}
+    common = ["tune", "layernorm", "--d", "768", "--replay", str(recording_path), "--trials", "5",
+              "--storage", sqlite(tmp_path), "--out", str(tmp_path / "k"), "--tuned", str(tmp_path / "tuned")]
+    first = mage_gen(*common, "--seed", "3", "--study", "first", env=env, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    stored = json.loads((tmp_path / "tuned" / "h200" / "layernorm.json").read_text())["entries"]["d=768/float32/m=4096"]
+    assert "stored winner" not in first.stderr  # nothing was stored before
+    second = mage_gen(*common, "--seed", "4", "--study", "second", env=env, cwd=tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert f"the stored winner {stored['kernel']} is measured first" in second.stderr
+    study = optuna.load_study(study_name="second", storage=sqlite(tmp_path))
+    assert study.trials[0].user_attrs["kernel"] == stored["kernel"]
 
 
 def test_a_replay_writes_no_tuned_entry_study_or_kernel_unless_given_paths(recording_path, tmp_path):
