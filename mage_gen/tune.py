@@ -232,9 +232,14 @@ def _start_with(study: optuna.Study, op: Op, shape: Any, valid: list[Any], param
     if key not in _keys(op, valid) or key in _finished(study, op, shape, valid):
         return
     fixed = json.loads(key)
-    waiting = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
-    if not any(t.system_attrs.get("fixed_params") == fixed for t in waiting):  # left by an interrupted run
+    if fixed not in _waiting(study):  # left by an interrupted run
         study.enqueue_trial(fixed)
+
+
+def _waiting(study: optuna.Study) -> list[dict[str, Any]]:
+    """The params of the enqueued trials no worker has asked for yet."""
+    return [t.system_attrs.get("fixed_params") for t in
+            study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))]
 
 
 def _sampler(exhaustive: bool, seed: int) -> optuna.samplers.BaseSampler:
@@ -295,8 +300,9 @@ def measure(op: Op, shape: Any, space: Space, backend: Backend, study: optuna.St
         if asks > _ASK_LIMIT * budget:
             raise MageError(f"tune: study {study.study_name} made {asks} proposals without reaching {budget} configs; "
                             "start a new one with --study NAME")
-        if exhaustive or stalls >= _STALLS_BEFORE_FILL:
+        if (exhaustive or stalls >= _STALLS_BEFORE_FILL) and not _waiting(study):
             # In order when exhaustive; when TPE keeps proposing measured or rejected configs, an unmeasured one.
+            # A trial already enqueued (the stored winner) is asked first: nothing more is enqueued until it is.
             remaining = [k for k in valid_keys if k not in done and k not in running.values()]
             if remaining:
                 study.enqueue_trial(json.loads(remaining[0] if exhaustive else fill.choice(remaining)))

@@ -301,6 +301,20 @@ def test_a_stored_winner_measured_already_or_outside_the_space_is_not_measured_f
     assert exhaustive.evaluated == kernels(valid)[:3]
 
 
+def test_an_exhaustive_search_measures_the_stored_winner_first_then_the_rest_once_each(recording_path, small,
+                                                                                      tmp_path):
+    valid, _ = expand(OP, SHAPE, small)
+    stored = valid[len(valid) // 2]
+    backend = Recorder(recording_path)
+    run_tune(backend, small, tmp_path, study_name="small", incumbent=stored)
+    assert backend.evaluated == [OP.kernel_name(SHAPE, stored)] + [k for k in kernels(valid)
+                                                                  if k != OP.kernel_name(SHAPE, stored)]
+    study = optuna.load_study(study_name="small", storage=sqlite(tmp_path))
+    # every config asked once: no trial told as a repeat, none left enqueued
+    assert not [t.number for t in study.trials if "repeat_of" in t.user_attrs]
+    assert not study.get_trials(states=(optuna.trial.TrialState.WAITING,))
+
+
 # ---- failures ----
 
 def test_failed_gate_is_a_failed_trial_with_its_reason_never_a_finalist(recording, small, tmp_path):
