@@ -181,7 +181,7 @@ def _norm_impl(op_name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.
 
 
 def _check_out(fn: str, x: torch.Tensor, out: torch.Tensor) -> None:
-    _check_tensor(fn, "out", out, x.device)
+    _check_tensor(fn, "out", out, x.device, dtypes=(x.dtype,))  # y is written in x's dtype
     if out.shape != x.shape:
         raise LaunchError(f"{fn}: out must have x's shape {tuple(x.shape)}, got {tuple(out.shape)}")
 

@@ -135,6 +135,16 @@ def test_out_is_written_and_may_not_be_an_input():
         mt.layer_norm(x, w, b, out=x)
 
 
+def test_out_of_a_16_bit_norm_is_its_dtype_and_only_that():
+    x = torch.randn(64, 4096, device="cuda").to(torch.bfloat16)
+    w = torch.randn(4096, device="cuda").to(torch.bfloat16)
+    out = torch.full_like(x, float("nan"))
+    assert mt.rms_norm(x, w, out=out) is out
+    assert torch.equal(out, mt.rms_norm(x, w))
+    with pytest.raises(TypeError, match="out must be bfloat16, got torch.float32"):
+        mt.rms_norm(x, w, out=torch.empty(64, 4096, device="cuda"))
+
+
 def test_a_misaligned_view_is_refused_not_faulted():
     storage = torch.randn(4 * 768 + 1, device="cuda")
     x = storage[1:].view(4, 768)  # 4 bytes past an aligned start
