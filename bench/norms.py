@@ -8,6 +8,7 @@ bytes fit the L2, cold where they do not). Every kernel and peer is gated at the
 timed, y and residual_out both. Writes bench/results/<gpu>/norms.json.
 
     python bench/norms.py --tune-missing
+    python bench/norms.py --only rmsnorm:4096x8192 layernorm+res:65536x768   # those rows alone, to norms_only.json
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ DTYPE = "bf16"
 PEERS = ("torch", "inductor", "triton")
 ROUNDS, PER_ROUND = 4, 5
 DRAM_L2S = 2  # a shape is DRAM-bound where it moves at least this many L2s of bytes
+
+
+def row_key(op_name: str, residual: bool, m: int, d: int) -> str:
+    return f"{op_name}{'+res' if residual else ''}:{m}x{d}"
 
 
 def tune_flags(op, shape, m: int, l2_bytes: int) -> list[str]:
@@ -88,13 +93,21 @@ def bench_shape(op, shape, m: int, params, device) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tune-missing", action="store_true", help="tune a shape that has no winner in tuned/")
+    parser.add_argument("--only", nargs="+", metavar="OP[+res]:MxD",
+                        help="bench these rows alone and write norms_only.json (norms.json is the whole sweep)")
     args = parser.parse_args()
+    keys = {row_key(name, residual, m, d) for name in OPS for residual in (False, True) for m, d in SHAPES}
+    unknown = sorted(set(args.only or ()) - keys)
+    if unknown:
+        parser.error(f"--only: no row {', '.join(unknown)}; rows are {', '.join(sorted(keys))}")
     device = gpu.open_device()
     plan = []
     for name in OPS:
         op = get_op(name)
         for residual in (False, True):
             for m, d in SHAPES:
+                if args.only and row_key(name, residual, m, d) not in args.only:
+                    continue
                 shape = op.shape(d=d, dtype=DTYPE, residual=residual)
                 params = winner_params(op, shape, device, args.tune_missing,
                                        tune_flags(op, shape, m, device.l2_bytes), run={"m": m})
@@ -142,7 +155,7 @@ def main() -> None:
         },
         **provenance(device), "shapes": rows, "summary": summary,
     }
-    out = write_result(device, "norms.json", json.dumps(doc, indent=1) + "\n")
+    out = write_result(device, "norms_only.json" if args.only else "norms.json", json.dumps(doc, indent=1) + "\n")
     print(json.dumps(summary, indent=1))
     print(f"wrote {out}", file=sys.stderr)
 
