@@ -20,7 +20,8 @@ import sys
 from mage_gen import dispatch, gpu
 from mage_gen.measure import Bench, interleave
 from mage_gen.ops import get_op
-from mage_gen.peers import make_peers
+from mage_gen.dtypes import dtype
+from mage_gen.peers import make_peers, on_gpu
 from mage_gen.variants import build
 
 from _copy import FLOOR, copy_subjects, settle  # bench/_copy.py
@@ -55,17 +56,26 @@ def bench_shape(op, shape, m: int, params, device) -> dict:
             "kernel": variant.source.kernel_name, "params": op.params_to_dict(params), "bytes_moved": moved,
             "regime": "dram" if moved >= DRAM_L2S * device.l2_bytes else "l2"}
     try:
-        subject, checked = bench.checked_subject(variant, kernel, name="mage-gen")
+        # Every subject reads one copy of the inputs: the same bytes read from another allocation can take a
+        # few percent more or less (NOTES.md, norms §10).
+        subject, checked = bench.checked_subject(variant, kernel, name="mage-gen", share_inputs=True)
         if subject is None:
             return {**head, "gate": checked.to_dict()}
+        buffers = bench.timing_buffers()
         peers, missing = make_peers(op, shape, run, subject.bound.inputs, None, check=bench.check_tensor,
-                                    inductor=True)
-        copies = copy_subjects(moved)
+                                    inductor=True, device_inputs={k: b.ptr for k, b in buffers.items()})
+        activations = [on_gpu(buffers[k].ptr, subject.bound.inputs[k].shape, dtype(shape.dtype))
+                       for k in ("x", "residual") if k in buffers]
+        copies = copy_subjects(moved, tuple(activations))
         everyone = [subject, *peers, *copies]
         hot = interleave(everyone, "hot", ROUNDS, PER_ROUND)
         cold = interleave(everyone, "cold", ROUNDS, PER_ROUND)
         subject.close()
         floors = settle(copies, hot, cold)
+        changed = bench.inputs_changed()
+        if changed:
+            raise SystemExit(f"{op.name} {m}x{shape.d}: a kernel or peer wrote into its inputs {changed}; "
+                             "every subject reads them in place, so none of this shape's figures can stand")
     finally:
         kernel.unload()
     result = {
@@ -146,6 +156,9 @@ def main() -> None:
                     "rounded to bf16 (y within one bf16 ulp in relative norm, residual_out bit for bit); then M rows "
                     "of the timing inputs, compared on the GPU; peers gated on the timing inputs the same way",
             "dispatch": "each shape's kernel is the tuned size class mage_gen.dispatch picks for its M",
+            "inputs": "one copy of each shape's inputs on the GPU, read in place by the kernel, every peer and the "
+                      "copies of the floor that read the kernel's activations, and checked bit for bit after the "
+                      "rounds",
             "peers": "torch: F.layer_norm / F.rms_norm (of x + residual, computed first, in the residual form); "
                      "inductor: torch.compile(fullgraph=True, dynamic=False) of that eager code; triton: one "
                      "program per row, bf16 loads, fp32 math, best num_warps of 2/4/8/16 by hot time",

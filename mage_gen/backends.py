@@ -54,7 +54,9 @@ class GpuBackend:
             for v in variants:
                 kernel = self.bench.load(v)
                 kernels.append(kernel)
-                subject, result = self.bench.checked_subject(v, kernel)
+                # one copy of the inputs for every finalist and peer: the same bytes read from another
+                # allocation can take a few percent more or less, enough to reorder finalists
+                subject, result = self.bench.checked_subject(v, kernel, share_inputs=True)
                 if subject is not None:
                     subjects.append(subject)
                 else:
@@ -62,10 +64,16 @@ class GpuBackend:
             if not subjects:  # nothing left to compare the peers with
                 return {}, {}, dropped
             inputs = self.bench.timing_inputs()  # the finalists' own, judged against the reference on the GPU
-            peers, missing = make_peers(self.op, self.shape, self.run, inputs, None, check=self.bench.check_tensor)
+            peers, missing = make_peers(self.op, self.shape, self.run, inputs, None, check=self.bench.check_tensor,
+                                        device_inputs={k: b.ptr for k, b in self.bench.timing_buffers().items()})
             everyone = [*subjects, *peers]
             hot = interleave(everyone, "hot", FINAL_ROUNDS, FINAL_PER_ROUND)
             cold = interleave(everyone, "cold", FINAL_ROUNDS, FINAL_PER_ROUND)
+            changed = self.bench.inputs_changed()
+            if changed:
+                raise MageError(f"tune: after the final round the shared inputs {', '.join(changed)} no longer hold "
+                                "what was uploaded: a finalist or peer writes into its inputs; the trials are kept, "
+                                "rerun with a preset that leaves that config out")
             timings = {s.name: {"hot": hot[s.name], "cold": cold[s.name]} for s in everyone}
             return timings, {p.name: p.config for p in peers}, {**dropped, **missing}
         finally:

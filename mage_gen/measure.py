@@ -63,17 +63,27 @@ class Bound:
     """A kernel bound to device buffers for one run size: inputs uploaded, outputs fenced."""
 
     def __init__(self, op: Op, shape: Any, params: Any, kernel: gpu.Kernel, run: dict[str, int],
-                 inputs: dict[str, np.ndarray], on_device: dict[str, gpu.Buffer] | None = None):
+                 inputs: dict[str, np.ndarray], on_device: dict[str, gpu.Buffer] | None = None,
+                 share_inputs: bool = False):
         """on_device: the inputs already uploaded; each is copied on the device into this run's own buffer
-        (a kernel that writes into an input spoils only its own copy)."""
+        (a kernel that writes into an input spoils only its own copy), or with share_inputs read where it is:
+        the same memory the peers of a bench read, whose placement moves a DRAM-bound kernel's time by percents
+        (bench/NOTES.md, norms §10)."""
         self.op, self.kernel, self.run = op, kernel, run
         self.launch_geometry = op.geometry(shape, params, run)
         self.inputs = inputs
         self.output_shapes = op.output_shapes(shape, run)
         self.output_dtypes: dict[str, DType] = op.output_dtypes(shape)
         self.buffers: dict[str, gpu.Buffer] = {}
+        self._borrowed: set[str] = set()  # inputs read in place, freed by their owner
+        if share_inputs and on_device is None:
+            raise ValueError("share_inputs needs the inputs on the device (on_device)")
         try:
             for name, array in inputs.items():
+                if share_inputs:
+                    self.buffers[name] = on_device[name]
+                    self._borrowed.add(name)
+                    continue
                 self.buffers[name] = gpu.Buffer(array.nbytes)
                 if on_device is None:
                     self.buffers[name].upload(array)
@@ -138,8 +148,9 @@ class Bound:
         return results, complaints
 
     def free(self) -> None:
-        for buf in self.buffers.values():
-            buf.free()
+        for name, buf in self.buffers.items():
+            if name not in self._borrowed:
+                buf.free()
         self.buffers.clear()
 
 
@@ -370,15 +381,32 @@ class Bench:
                 {name: self.op.tolerance_of(self.shape, name, dtype) for name, dtype in dtypes.items()})
         return self._timing_reference
 
-    def subject(self, variant: Any, kernel: gpu.Kernel, name: str | None = None) -> KernelSubject:
+    def timing_buffers(self) -> dict[str, gpu.Buffer]:
+        """The timing inputs on the GPU, uploaded once: each subject copies them, or with share_inputs reads them
+        in place, as peers given their pointers do (make_peers' device_inputs)."""
         if self._timing_on_device is None:
             uploaded = {}
             for key, array in self.timing_inputs().items():
                 uploaded[key] = gpu.Buffer(array.nbytes)
                 uploaded[key].upload(array)
             self._timing_on_device = uploaded
+        return self._timing_on_device
+
+    def inputs_changed(self) -> list[str]:
+        """The timing inputs whose buffers no longer hold them, bit for bit: what a kernel or peer reading them in
+        place wrote into."""
+        gpu.synchronize()  # what other streams (torch's) still have queued
+        changed = []
+        for name, array in self.timing_inputs().items():
+            held = self.timing_buffers()[name].download(np.uint8)
+            if not np.array_equal(held, np.ascontiguousarray(array).view(np.uint8).ravel()):
+                changed.append(name)
+        return changed
+
+    def subject(self, variant: Any, kernel: gpu.Kernel, name: str | None = None,
+                share_inputs: bool = False) -> KernelSubject:
         bound = Bound(self.op, self.shape, variant.params, kernel, self.run, self.timing_inputs(),
-                      on_device=self._timing_on_device)
+                      on_device=self.timing_buffers(), share_inputs=share_inputs)
         # Fences poisoned from the start: what is read back from them after timing is then a real check,
         # not uninitialised memory.
         bound.poison(self.stream)
@@ -403,14 +431,14 @@ class Bench:
         return self.timing_reference().compare_at({name: wide.data_ptr()}, self.stream,
                                                   {name: self.op.tolerance_of(self.shape, name, narrow)})
 
-    def checked_subject(self, variant: Any, kernel: gpu.Kernel, name: str | None = None
-                        ) -> tuple[KernelSubject | None, GateResult]:
+    def checked_subject(self, variant: Any, kernel: gpu.Kernel, name: str | None = None,
+                        share_inputs: bool = False) -> tuple[KernelSubject | None, GateResult]:
         """Gate (fresh inputs at the op's gate sizes), then one launch at the timed size on the timing inputs
         into a poisoned, fenced output, compared on the GPU: a subject only for a kernel that passed both."""
         result = gate(self.op, self.shape, variant.params, kernel, self.run, self.rng, self.stream)
         if not result.passed:
             return None, result
-        subject = self.subject(variant, kernel, name)
+        subject = self.subject(variant, kernel, name, share_inputs)
         try:
             subject.bound.poison(self.stream)
             subject.bound.enqueue(self.stream.handle)

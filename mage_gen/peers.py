@@ -166,13 +166,30 @@ def to_torch(array: np.ndarray, dtype: DType) -> Any:
     return torch.from_numpy(np.ascontiguousarray(array)).cuda()
 
 
+class _DeviceArray:
+    """Device memory owned elsewhere, as torch.as_tensor reads it in place (the CUDA array interface)."""
+
+    def __init__(self, pointer: int, shape: tuple[int, ...], typestr: str):
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (pointer, False),
+                                         "version": 3, "strides": None}
+
+
+def on_gpu(pointer: int, shape: tuple[int, ...], dtype: DType) -> Any:
+    """A CUDA tensor of dtype over device memory that stays its owner's: no copy, freed by the owner."""
+    if dtype.name == "bfloat16":  # the array interface has no bf16: its bits as int16, viewed
+        return torch.as_tensor(_DeviceArray(pointer, shape, "<i2"), device="cuda").view(torch.bfloat16)
+    typestr = np.dtype(dtype.storage).newbyteorder("<").str
+    return torch.as_tensor(_DeviceArray(pointer, shape, typestr), device="cuda")
+
+
 def _row_norm_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float, torch_fn: str,
-                         triton_kernel: Any, inductor: bool) -> dict[str, list[TorchSubject] | str]:
+                         triton_kernel: Any, inductor: bool, tensor_of: Callable[[str, DType], Any]
+                         ) -> dict[str, list[TorchSubject] | str]:
     """torch's norm as a model calls it (`x + residual` first, in the residual form), the same code compiled
     by Inductor, and the Triton kernel (one program per row) at each num_warps. Each returns y, or
     (y, residual_out). A family that cannot run this shape is the reason why, in place of its subjects."""
-    tensors = {name: to_torch(array, element_type(shape.weight_dtype if name in ("w", "b") else shape.dtype))
-               for name, array in inputs.items()}
+    tensors = {name: tensor_of(name, element_type(shape.weight_dtype if name in ("w", "b") else shape.dtype))
+               for name in inputs}
     x, residual = tensors["x"], tensors.get("residual")
     m, d = x.shape
     weights = [tensors[k] for k in ("w", "b") if k in tensors]
@@ -216,26 +233,26 @@ def _row_norm_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float, 
     return candidates
 
 
-def _layernorm_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float,
-                          inductor: bool) -> dict[str, list[TorchSubject]]:
+def _layernorm_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float, inductor: bool,
+                          tensor_of: Callable[[str, DType], Any]) -> dict[str, list[TorchSubject]]:
     return _row_norm_candidates(shape, inputs, eps, "F.layer_norm",
-                                _triton_layernorm if triton is not None else None, inductor)
+                                _triton_layernorm if triton is not None else None, inductor, tensor_of)
 
 
-def _rmsnorm_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float,
-                        inductor: bool) -> dict[str, list[TorchSubject]]:
+def _rmsnorm_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float, inductor: bool,
+                        tensor_of: Callable[[str, DType], Any]) -> dict[str, list[TorchSubject]]:
     return _row_norm_candidates(shape, inputs, eps, "F.rms_norm",
-                                _triton_rmsnorm if triton is not None else None, inductor)
+                                _triton_rmsnorm if triton is not None else None, inductor, tensor_of)
 
 
-def _matmul_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float,
-                       inductor: bool) -> dict[str, list[TorchSubject]]:
+def _matmul_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float, inductor: bool,
+                       tensor_of: Callable[[str, DType], Any]) -> dict[str, list[TorchSubject]]:
     # mage-gen's matmul kernels do exact fp32 FMAs, so cuBLAS must too: TF32 (about 3e-4 relative error,
     # which the op's 1e-4 tolerance refuses) is off for every call made from here on.
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
-    a, b = (torch.from_numpy(inputs[name]).cuda() for name in ("A", "B"))
+    a, b = (tensor_of(name, FLOAT32) for name in ("A", "B"))
     (m, k), n = a.shape, b.shape[1]
 
     def output():  # one per candidate, NaN until written, so a tile a kernel skips fails the gate
@@ -275,14 +292,14 @@ TRITON_TC_CONFIGS = ((128, 128, 32, 4, 4), (128, 256, 64, 8, 3), (128, 128, 64, 
 _TC_PEER_MODES = {"bf16": (False, None), "tf32": (True, "tf32"), "fp32x3": (False, "tf32x3")}
 
 
-def _matmul_tc_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float,
-                          inductor: bool) -> dict[str, list[TorchSubject]]:
+def _matmul_tc_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float, inductor: bool,
+                          tensor_of: Callable[[str, DType], Any]) -> dict[str, list[TorchSubject]]:
     """cuBLAS through torch at the same precision (bf16 inputs with an fp32 C, and as torch.matmul gives it, a
     bf16 C; tf32 with allow_tf32; for fp32x3, SGEMM with TF32 off: the FP32 result it must match) and Triton's
     tl.dot at the same precision (fp32 accumulation and C)."""
     allow_tf32, precision = _TC_PEER_MODES[shape.precision]
     element = BFLOAT16 if shape.precision == "bf16" else FLOAT32
-    a, b = (to_torch(inputs[name], element) for name in ("A", "B"))
+    a, b = (tensor_of(name, element) for name in ("A", "B"))
     (m, k), n = a.shape, b.shape[1]
 
     def output(dtype=torch.float32):
@@ -336,12 +353,15 @@ _CANDIDATES = {"layernorm": _layernorm_candidates, "rmsnorm": _rmsnorm_candidate
 def make_peers(op: Op, shape: Any, run: dict[str, int], inputs: dict[str, np.ndarray],
                reference: dict[str, np.ndarray] | None, pick_replays: int = 10,
                check: Callable[[str, Any], tuple[float, str]] | None = None,
-               inductor: bool = False) -> tuple[list[TorchSubject], dict[str, str]]:
+               inductor: bool = False, device_inputs: dict[str, int] | None = None
+               ) -> tuple[list[TorchSubject], dict[str, str]]:
     """The op's peers, each gated on `inputs` (every output: a peer returns them in the op's order); of a
     family with configs (Triton's num_warps) the fastest hot. check(output name, tensor) -> (error, reason)
     judges on the GPU where the reference is held there (measure.DeviceReference); otherwise `reference` is
     compared on the CPU. inductor: also torch.compile of the eager code (norms; compiling takes seconds per
-    shape). Returns (peers, {name: why it is missing})."""
+    shape). device_inputs: where `inputs` already are on the GPU (a pointer each, kept alive by the caller),
+    read there rather than copied, so that the peers read the very memory a kernel sharing them reads.
+    Returns (peers, {name: why it is missing})."""
     if torch is None or not torch.cuda.is_available():
         return [], {"torch": "torch with CUDA is not installed here (pip install 'mage-gen[peers]')"}
     if op.name not in _CANDIDATES:
@@ -350,7 +370,14 @@ def make_peers(op: Op, shape: Any, run: dict[str, int], inputs: dict[str, np.nda
     scalars = op.scalars(shape, run)
     chosen = []
     names = list(op.output_shapes(shape, run))
-    for family, subjects in _CANDIDATES[op.name](shape, inputs, float(scalars.get("eps", 0.0)), inductor).items():
+
+    def tensor_of(name: str, dtype: DType) -> Any:
+        if device_inputs is not None and name in device_inputs:
+            return on_gpu(device_inputs[name], inputs[name].shape, dtype)
+        return to_torch(inputs[name], dtype)
+
+    candidates = _CANDIDATES[op.name](shape, inputs, float(scalars.get("eps", 0.0)), inductor, tensor_of)
+    for family, subjects in candidates.items():
         if isinstance(subjects, str):
             missing[family] = subjects
             continue

@@ -35,3 +35,35 @@ def test_torch_and_triton_rmsnorm_pass_the_gate_beside_a_variant(device):
     assert evaluation.gate.passed, evaluation.gate.reason
     peers, missing = make_peers(OP, shape, run, bench.timing_inputs(), None, check=bench.check_tensor)
     assert {p.name for p in peers} >= {"torch"} and not any("gate" in why for why in missing.values()), missing
+
+
+def test_a_shared_subject_and_its_peers_read_the_bench_buffers_in_place(device):
+    """bench/norms.py times the kernel, the peers and the copy floor on one copy of the inputs: the kernel's bound
+    and the peers' tensors are the bench's buffers, left to the bench when the subject goes, and a write into
+    them shows."""
+    torch = pytest.importorskip("torch")
+    import numpy as np
+
+    from mage_gen.peers import make_peers, on_gpu
+
+    shape, run = OP.shape(d=4096, dtype="bf16"), {"m": 512}
+    bench = Bench(OP, shape, run, seed=5)
+    variant = build(OP, shape, OP.params_from_dict({"template": "row", "threads": 256, "vector": 16}), device.arch)
+    kernel = bench.load(variant)
+    try:
+        subject, checked = bench.checked_subject(variant, kernel, share_inputs=True)
+        assert subject is not None, checked.reason
+        buffers = bench.timing_buffers()
+        assert all(subject.bound.buffers[k] is buffers[k] for k in ("x", "w"))
+        peers, missing = make_peers(OP, shape, run, subject.bound.inputs, None, check=bench.check_tensor,
+                                    device_inputs={k: b.ptr for k, b in buffers.items()})
+        assert {p.name for p in peers} >= {"torch"} and not any("gate" in why for why in missing.values()), missing
+        x = on_gpu(buffers["x"].ptr, bench.timing_inputs()["x"].shape, OP.output_dtypes(shape)["y"])
+        assert x.dtype == torch.bfloat16 and x.data_ptr() == buffers["x"].ptr
+        assert np.array_equal(x.view(torch.int16).cpu().numpy().view(np.uint16), bench.timing_inputs()["x"])
+        subject.close()
+        assert bench.inputs_changed() == []  # still the bench's, intact, after the subject freed its own
+        x[0, 0] = x[0, 0] + 1
+        assert bench.inputs_changed() == ["x"]
+    finally:
+        kernel.unload()
