@@ -25,25 +25,13 @@ from mage_gen import gpu
 from mage_gen.dtypes import dtype as element_type
 from mage_gen.measure import GUARD_BYTES, Bench, interleave
 from mage_gen.ops import get_op
-from mage_gen.peers import TorchSubject, _triton_layernorm, _triton_rmsnorm, to_torch
+from mage_gen.peers import TorchSubject, _triton_layernorm, _triton_rmsnorm, on_gpu, to_torch
 from mage_gen.store import load_winner
 from mage_gen.variants import build
 
 CASES = [("rmsnorm", 4096, 8192), ("layernorm", 16384, 8192), ("rmsnorm", 16384, 8192),
          ("rmsnorm", 32768, 4096), ("layernorm", 4096, 8192)]
 WARPS = (4, 8, 16)
-
-
-class _Device:
-    """A bf16 view of device memory that torch.as_tensor takes (int16, viewed as bfloat16 after)."""
-
-    def __init__(self, pointer: int, shape: tuple[int, ...]):
-        self.__cuda_array_interface__ = {"shape": shape, "typestr": "<i2", "data": (pointer, False),
-                                         "version": 3, "strides": None}
-
-
-def view(pointer: int, shape: tuple[int, ...]) -> torch.Tensor:
-    return torch.as_tensor(_Device(pointer, shape), device="cuda").view(torch.bfloat16)
 
 
 def triton_subject(name, opname, x, y, w, b, m, d, warps):
@@ -93,15 +81,16 @@ def probe(device, opname: str, m: int, d: int) -> dict | None:
     if gated(bench, on_torch, ours_go, y_ours):
         subjects.append(on_torch)
     buffers = ours.bound.buffers
-    bx, by = view(buffers["x"].ptr, (m, d)), view(buffers["y"].ptr + GUARD_BYTES, (m, d))
-    bw = view(buffers["w"].ptr, (d,)) if w.dtype == torch.bfloat16 else None
+    bf16 = element_type("bf16")
+    bx, by = on_gpu(buffers["x"].ptr, (m, d), bf16), on_gpu(buffers["y"].ptr + GUARD_BYTES, (m, d), bf16)
+    bw = on_gpu(buffers["w"].ptr, (d,), bf16) if w.dtype == torch.bfloat16 else None
     for warps in WARPS:
         y_tri = torch.empty_like(x)
         s, go = triton_subject(f"triton/w{warps}", opname, x, y_tri, w, b, m, d, warps)
         if gated(bench, s, go, y_tri):
             subjects.append(s)
         if bw is not None:
-            bb = view(buffers["b"].ptr, (d,)) if "b" in buffers else None
+            bb = on_gpu(buffers["b"].ptr, (d,), bf16) if "b" in buffers else None
             s, go = triton_subject(f"triton/w{warps}/bound", opname, bx, by, bw, bb, m, d, warps)
             if gated(bench, s, go, by):
                 subjects.append(s)
