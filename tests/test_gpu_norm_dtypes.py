@@ -21,6 +21,10 @@ CASES = [
     (RMS, dict(d=1002, dtype="bf16", residual=True), {"template": "multirow", "threads": 64, "vector": 8,
                                                       "rows_per_block": 2}),
     (LN, dict(d=8192, residual=True), {"threads": 512, "vector": 16}),
+    # statistics about the row's first element: one reduction; peeled, persistent rows with the residual too
+    (LN, dict(d=8192, dtype="bf16"), {"threads": 256, "vector": 16, "stats": "shifted", "min_blocks": 4}),
+    (LN, dict(d=1002, dtype="fp16", residual=True), {"template": "multirow", "threads": 128, "vector": 8,
+                                                     "rows_per_block": 2, "stats": "shifted", "grid_cap": 528}),
     # rows too wide for registers, at few rows: the gate's float64 reference is computed on the host
     (LN, dict(d=131074, dtype="bf16", residual=True), {"template": "wide", "threads": 512, "vector": 16, "m": 37}),
     (RMS, dict(d=100002, dtype="fp16", weight_dtype="fp32"), {"template": "wide", "threads": 1024, "vector": 8,

@@ -211,3 +211,51 @@ def test_holding_a_row_packed_frees_the_registers_of_more_rows_per_sm():
 def test_a_row_that_cannot_be_held_packed_is_refused(dims, values, rule):
     with pytest.raises(ConfigError, match=rule):
         LN.validate(LN.shape(**dims), LN.params_from_dict(values))
+
+
+
+def _stats_refusal(shape, params) -> str:
+    try:
+        LN.validate(shape, params)
+    except ConfigError as exc:
+        return str(exc) if str(exc).startswith("stats:") else ""
+    return ""
+
+
+@pytest.mark.parametrize("dims, allowed", [
+    ({"d": 8192, "dtype": "bf16"}, True), ({"d": 65536, "dtype": "bf16"}, True), ({"d": 65538, "dtype": "bf16"}, False),
+    ({"d": 8192, "dtype": "fp16"}, True), ({"d": 8194, "dtype": "fp16"}, False), ({"d": 768}, False),
+])
+def test_shifted_statistics_are_held_to_rows_whose_output_absorbs_their_worst_cancellation(dims, allowed):
+    params = LN.params_from_dict({"threads": 1024, "vector": 16, "stats": "shifted", "hold": "packed"})
+    refusal = _stats_refusal(LN.shape(**dims), params)
+    assert (refusal == "") == allowed, refusal
+    if not allowed:
+        assert refusal.startswith("stats: shifted statistics") and "use stats two_pass or one_pass" in refusal
+
+
+def test_shifted_statistics_stay_within_the_tolerance_where_a_plain_sum_of_squares_cancels():
+    # d = 8192 bf16 rows of 1024s (bf16's step there is 8): row 0 has two elements one step off, so a sum of
+    # squares about 0 loses the variance (2⁻¹¹ of the mean square) to fp32 cancellation; row 1's first element,
+    # the shift itself, is the one off: the worst row for the shifted sums, (k − mean)² ≈ d·var; row 2 is noise.
+    d, base = 8192, 1024.0
+    shape = LN.shape(d=d, dtype="bf16")
+    rows = np.full((3, d), base, dtype=np.float32)
+    rows[0, 1], rows[0, 2], rows[1, 0] = base + 8, base - 8, base + 8
+    rows[2] = np.random.default_rng(5).standard_normal(d, dtype=np.float32)
+    x = BFLOAT16.round(rows)
+    exact = BFLOAT16.widen(x).astype(np.float64)
+    assert np.array_equal(exact[:2], rows[:2].astype(np.float64))  # the constructed rows are exact in bf16
+    plain = (np.square(rows[0]).sum(dtype=np.float32) / d - (rows[0].sum(dtype=np.float32) / d) ** 2)
+    assert abs(plain - exact[0].var()) > 0.1 * exact[0].var()  # the row defeats a plain sum of squares in fp32
+    rng = np.random.default_rng(6)
+    inputs = {"x": x, "w": BFLOAT16.round(rng.standard_normal(d, dtype=np.float32)),
+              "b": BFLOAT16.round(rng.standard_normal(d, dtype=np.float32))}
+    v = build(LN, shape, LN.params_from_dict({"threads": 256, "vector": 16, "stats": "shifted", "min_blocks": 4}),
+              "sm_90")
+    assert v.census.bar_sync == 1 and v.census.loads_of("x_first") == 1  # one reduction; the shift read beside x
+    outputs = interp.launch_with(LN, shape, v, {"m": 3}, inputs)
+    reference = LN.reference(shape, inputs, LN.scalars(shape, {"m": 3}))
+    for row in range(3):
+        err, reason = compare_outputs(LN, shape, {"y": outputs["y"][row:row + 1]}, {"y": reference["y"][row:row + 1]})
+        assert not reason, (row, err, reason)

@@ -71,3 +71,15 @@ def test_a_layer_norm_and_an_rmsnorm_of_one_config_differ_only_where_the_statist
     ln, rms = LN.source(shape, params).text, RMS.source(shape, params).text
     assert "const float* __restrict__ b" in ln and "const float* __restrict__ b" not in rms
     assert "mul.rn.f32" in rms and "mul.rn.f32" not in ln
+
+
+@pytest.mark.parametrize("values", [{"template": "row", "threads": 64}, {"template": "multirow", "threads": 64,
+                                                                         "rows_per_block": 2}])
+def test_a_persistent_block_of_several_warps_alternates_its_partial_sums_between_rows(values):
+    # one barrier per row: with a single shared array a fast warp writes the next row's partial sum while a slow
+    # one still reads this row's, a race the interpreter reports; three blocks walk 37 rows
+    shape = RMS.shape(d=1024)
+    v = build(RMS, shape, RMS.params_from_dict({"vector": 16, "grid_cap": 3, **values}), "sm_90")
+    assert v.census.bar_sync == 1 and "partial[iter & 1]" in v.source.text
+    result = interp.gate(RMS, shape, v, {"m": 37}, np.random.default_rng(4))
+    assert result.passed, result.reason

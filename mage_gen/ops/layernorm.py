@@ -13,6 +13,12 @@ The gate's tolerance, per output type (tolerance_of):
                one ulp (at most 2u relative) away. So ‖out − ref‖ ≤ (2u + 1e-5)‖ref‖ at any size, however
                few the elements; a wrong row, statistic or weight is off by far more than an ulp.
   residual_out 0: the same fp32 sum and one rounding as torch, bit for bit.
+stats 'shifted' (16-bit rows) sums x − k and (x − k)² about k, the row's first element, and takes
+var = Σ(x − k)²/d − (Σ(x − k)/d)². As k is one of the row's values, (k − mean)² ≤ d·var, so the cancellation
+costs at most about 2⁻²⁴·(d + 1) of var, half that of rstd, on the worst row (one outlier); on rows of
+comparable values it costs nothing measurable. The rule d ≤ 2²⁴·u keeps that within half the output's unit
+roundoff u, inside its one-ulp tolerance: bf16 rows up to 65536, fp16 up to 8192; fp32's 1e-5 could not absorb
+it, so fp32 rows keep two_pass or one_pass.
 Templates:
   row       one block of T threads per row, the row held in registers and read once;
   multirow  R rows per block, T threads per row (a warp per row needs no barrier at all);
@@ -36,7 +42,7 @@ from mage_gen.render import Source, render
 TEMPLATES = ("row", "multirow", "wide")
 VECTOR_WIDTHS = (4, 8, 16)  # bytes per global access of a row
 RSQRT_MODES = ("approx", "exact")
-STATS = ("two_pass", "one_pass")
+STATS = ("two_pass", "one_pass", "shifted")
 HINTS = ("none", "nc", "stream")
 WEIGHTS = ("late", "early")
 HOLDS = ("float", "packed")
@@ -75,7 +81,9 @@ class Params:
     rows_per_block: int = 1
     rsqrt: str = "approx"
     hint: str = "nc"  # none: x by plain loads; nc: x by the read-only path; stream: x not kept in L1, y evict-first
-    stats: str = "two_pass"  # two_pass: mean, then squared deviations; one_pass: one Chan-merged reduction
+    # two_pass: mean, then squared deviations; one_pass: one Chan-merged reduction; shifted: sums of x − k and
+    # (x − k)², k the row's first element, in one reduction (16-bit rows)
+    stats: str = "two_pass"
     grid_cap: int = 0  # 0: a block per row group; N: at most N blocks walk the rows, prefetching the next
     # late: w and b read after the statistics, where they are used; early: beside x, held until then (a
     # persistent block reads them once)
@@ -88,7 +96,7 @@ class Params:
     hold: str = "float"
 
     def label(self) -> str:
-        extra = ((" one_pass" if self.stats == "one_pass" else "") + (f" grid≤{self.grid_cap}" if self.grid_cap else "")
+        extra = ((f" {self.stats}" if self.stats != "two_pass" else "") + (f" grid≤{self.grid_cap}" if self.grid_cap else "")
                  + (" w-early" if self.weights == "early" else "") + (f" B≥{self.min_blocks}" if self.min_blocks > 1 else "")
                  + (" held-packed" if self.hold == "packed" else ""))
         return (f"{self.template} T{self.threads} V{self.vector}B R{self.rows_per_block} "
@@ -210,6 +218,10 @@ class LayerNorm:
         if t * p.rows_per_block * p.min_blocks > MAX_THREADS_PER_SM:
             raise ConfigError(f"min-blocks: {p.min_blocks} blocks of {t * p.rows_per_block} threads exceed the "
                               f"{MAX_THREADS_PER_SM} threads an SM holds; use fewer blocks or threads")
+        if p.stats == "shifted" and not (act.half and d * 2.0**-24 <= act.unit_roundoff):
+            raise ConfigError(f"stats: shifted statistics lose up to 2⁻²⁴·(d + 1) of the variance on the worst row, "
+                              f"which only a 16-bit output of d ≤ 2²⁴·u absorbs (bf16 d ≤ 65536, fp16 d ≤ 8192); this "
+                              f"row is {act.short} of d={d}: use stats two_pass or one_pass")
         if p.hold == "packed" and not act.half:
             raise ConfigError(f"hold: only a 16-bit row can be held packed, this one is {act.short}; leave hold at "
                               "float")
@@ -273,7 +285,7 @@ class LayerNorm:
         # _v counts elements per access (v4: 16 bytes of fp32), as before `vector` was given in bytes, so
         # that every kernel keeps its name and its tuned entries stay current
         return (f"layernorm_{p.template}_d{shape.d}{self._type_tag(shape)}_t{p.threads}_v{self._elements(shape, p)}_r{p.rows_per_block}"
-                f"_{p.rsqrt}_{p.hint}" + ("_onepass" if p.stats == "one_pass" else "")
+                f"_{p.rsqrt}_{p.hint}" + {"two_pass": "", "one_pass": "_onepass", "shifted": "_shift"}[p.stats]
                 + (f"_g{p.grid_cap}" if p.grid_cap else "") + ("_wearly" if p.weights == "early" else "")
                 + (f"_b{p.min_blocks}" if p.min_blocks > 1 else "") + ("_hpack" if p.hold == "packed" else ""))
 
@@ -316,6 +328,8 @@ class LayerNorm:
             shared = 3 * warps * 4
         elif p.stats == "two_pass":
             shared = 2 * p.rows_per_block * warps * 4
+        elif p.stats == "shifted":  # two sums per warp; a persistent block alternates two sets between iterations
+            shared = (2 if p.grid_cap else 1) * 2 * p.rows_per_block * warps * 4
         else:  # (count, mean, M2) per warp; a persistent block alternates two sets between iterations
             shared = (2 if p.grid_cap else 1) * p.rows_per_block * warps * 3 * 4
         groups = -(-m // p.rows_per_block)
