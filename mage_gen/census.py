@@ -37,8 +37,7 @@ class Census:
     # tensor -> access width ('scalar' | 'v2' | 'v4') -> instructions in the PTX; untagged accesses under '?'
     global_loads: dict[str, dict[str, int]] = field(default_factory=dict)
     global_stores: dict[str, dict[str, int]] = field(default_factory=dict)
-    # tensor -> pass numbers that load it, by ld.global or a tagged cp.async (a register-resident kernel reads
-    # its input in one pass)
+    # tensor -> pass numbers that load it (a register-resident kernel reads its input in one pass)
     load_passes: dict[str, list[int]] = field(default_factory=dict)
     shared_loads: int = 0
     shared_stores: int = 0
@@ -156,8 +155,6 @@ def take_census(compiled: Compiled) -> Census:
             waits[int(line.split()[1].rstrip(";"))] += 1
         elif opcode.startswith("cp.async.") and "shared" in parts:
             cp_async[int(line.rstrip(";").split(",")[2].strip().split()[0].rstrip(";"))] += 1
-            if tag_match:  # a tensor copied into shared memory is read from global memory in that pass
-                passes.setdefault(tag.split(".")[0], set()).add(_pass(tag))
         elif opcode.startswith("bar.sync") or opcode.startswith("barrier.sync"):
             counts["bar_sync"] += 1
         elif opcode.startswith("shfl.sync"):

@@ -16,7 +16,7 @@ from mage_gen.variants import build, build_all
 OP = get_op("layernorm")
 RULES = {"d-range", "template", "threads-multiple-of-32", "threads-range", "vector-width", "rsqrt", "hint",
          "rows-per-block", "block-size", "idle-threads", "registers", "stats", "grid-cap", "wide-options", "weights",
-         "min-blocks", "hold", "staged", "stages", "shared-memory"}
+         "min-blocks", "hold"}
 
 params_strategy = st.builds(
     Params,
@@ -31,7 +31,6 @@ params_strategy = st.builds(
     weights=st.sampled_from(WEIGHTS),
     min_blocks=st.sampled_from([1, 1, 2, 3, 4, 0, 9]),  # the last two are refused
     hold=st.sampled_from(HOLDS),  # packed: refused for these fp32 rows
-    stages=st.sampled_from([0, 0, 2, 3, 8, 9]),  # 9: refused; 2..8 template staged only
 )
 
 
@@ -72,14 +71,7 @@ def check_built(d: int, v) -> None:
     floats = params.vector // 4
     width = {1: "scalar", 2: "v2", 4: "v4"}[floats]
     body_loads = c.loads_of("x", tail=False)
-    if params.template == "staged":  # x only by cp.async of the vector's bytes: `stages` rows ahead, one refill
-        slots = OP._slots(shape, params)
-        assert body_loads == 0 and c.cp_async == {params.vector: (params.stages + 1) * slots}, c
-        assert c.commit_groups == params.stages + 1 and c.wait_groups == {params.stages - 1: 1}, c
-        assert launch.dynamic_shared_bytes == params.stages * d * 4
-        body_loads = slots  # what a block of the row template loads, for the rules below
-    else:
-        assert body_loads > 0 and c.loads_of("x", width, tail=False) == body_loads, c.global_loads
+    assert body_loads > 0 and c.loads_of("x", width, tail=False) == body_loads, c.global_loads
     assert c.stores_of("y", width, tail=False) == c.stores_of("y", tail=False) > 0
     assert (c.loads_of("x", tail=True) > 0) == (d % floats != 0 and floats > 1)
     assert c.passes_over("x") == (2 if params.template == "wide" else 1)
@@ -90,7 +82,7 @@ def check_built(d: int, v) -> None:
     if params.template != "wide" and warps_per_row > 1:
         expected = 2 if params.stats == "two_pass" else 1
         assert c.bar_sync == expected, "one barrier per row-wide reduction"
-    if params.grid_cap and params.template != "staged":  # the next rows' loads are beside the current rows'
+    if params.grid_cap:  # the next rows' loads are in the code beside the current rows'
         assert body_loads == 2 * OP._slots(shape, params)
     assert launch.grid[0] == (min(-(-37 // params.rows_per_block), params.grid_cap) if params.grid_cap
                               else -(-37 // params.rows_per_block))
@@ -98,9 +90,8 @@ def check_built(d: int, v) -> None:
         assert -1 < first(v, "tensor=w") < first(v, "shfl.sync") and -1 < first(v, "tensor=b") < first(v, "shfl.sync")
     else:
         assert first(v, "tensor=w") > first(v, "shfl.sync") > -1
-    if params.hint == "stream":  # x not kept in L1 (template staged copies it past L1 at 16 bytes whatever the hint)
-        assert "st.global.cs" in v.compiled.ptx
-        assert ("L1::no_allocate" in v.compiled.ptx) == (params.template != "staged")
+    if params.hint == "stream":
+        assert "L1::no_allocate" in v.compiled.ptx and "st.global.cs" in v.compiled.ptx
     # w and b by the read-only path whatever the hint (plain loads would queue behind the y stores); x by plain
     # loads only under hint none
     tagged = [line for line in v.compiled.ptx.splitlines() if "// tensor=" in line]

@@ -61,10 +61,6 @@ def shape_dict(shape: Any) -> dict[str, Any]:
     return values
 
 
-# Dynamic shared memory a block may opt in to on sm_90; smaller GPUs refuse the launch, which the gate reports
-MAX_SHARED_BYTES = 227 * 1024
-
-
 def register_cap(block_threads: int, blocks: int = 1) -> int:
     """Registers per thread ptxas allows under __launch_bounds__(block, blocks): the 64K register file split
     over the warps of `blocks` blocks, each rounded up to whole groups of 4 warps, in steps of 8, at most 255."""

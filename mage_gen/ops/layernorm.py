@@ -23,8 +23,6 @@ Templates:
   row       one block of T threads per row, the row held in registers and read once;
   multirow  R rows per block, T threads per row (a warp per row needs no barrier at all);
   wide      rows too wide for registers: loop over the row twice (Chan-merged statistics, then output).
-  staged    a persistent grid whose blocks keep `stages` rows in flight, copied by cp.async into shared memory,
-            and hold in registers only the row whose turn it is.
 """
 
 from __future__ import annotations
@@ -38,18 +36,16 @@ import numpy as np
 from mage_gen.dtypes import FLOAT32, DType
 from mage_gen.dtypes import dtype as element_type
 from mage_gen.errors import ConfigError
-from mage_gen.ops.base import (MAX_SHARED_BYTES, Arg, Launch, params_dict, params_from, public_params_from,
-                                register_cap)
+from mage_gen.ops.base import Arg, Launch, params_dict, params_from, public_params_from, register_cap
 from mage_gen.render import Source, render
 
-TEMPLATES = ("row", "multirow", "wide", "staged")
+TEMPLATES = ("row", "multirow", "wide")
 VECTOR_WIDTHS = (4, 8, 16)  # bytes per global access of a row
 RSQRT_MODES = ("approx", "exact")
 STATS = ("two_pass", "one_pass", "shifted")
 HINTS = ("none", "nc", "stream")
 WEIGHTS = ("late", "early")
 HOLDS = ("float", "packed")
-MAX_STAGES = 8  # rows in flight per block of template staged
 MAX_D = 1 << 20
 # The kernels count rows and row groups in int: (M + R - 1) / R and a group's last row must not overflow.
 MAX_ROWS = 2**31 - 1024
@@ -62,7 +58,7 @@ _REGISTERS_PER_VALUE = {1: 5.0, 2: 3.5, 4: 2.25}  # by 4-byte words per access
 # at most a few hundred bytes (fitted over 818 row variants of d 768-8192, fp32 and bf16, ptxas 13.0)
 _SQUEEZE_OVERHEAD = 16
 _TEMPLATE_FILES = {"row": "layernorm/resident.cu.j2", "multirow": "layernorm/resident.cu.j2",
-                   "wide": "layernorm/wide.cu.j2", "staged": "layernorm/resident.cu.j2"}
+                   "wide": "layernorm/wide.cu.j2"}
 # (x loads, y stores, w/b loads) for each hint. w and b are read-only in every kernel and always take the
 # read-only path: plain loads of them could alias the y stores before them, and ptxas would then keep each
 # slot's w load behind the previous slot's store (one load latency per slot)
@@ -98,13 +94,11 @@ class Params:
     # float: the row held in registers as floats; packed: a 16-bit row held as loaded, two elements to a
     # register, widened again for each pass over it (half the registers, so more rows in flight per SM)
     hold: str = "float"
-    # template staged: rows in flight per block, each copied into shared memory ahead of its turn (0 elsewhere)
-    stages: int = 0
 
     def label(self) -> str:
         extra = ((f" {self.stats}" if self.stats != "two_pass" else "") + (f" grid≤{self.grid_cap}" if self.grid_cap else "")
                  + (" w-early" if self.weights == "early" else "") + (f" B≥{self.min_blocks}" if self.min_blocks > 1 else "")
-                 + (" held-packed" if self.hold == "packed" else "") + (f" stages={self.stages}" if self.stages else ""))
+                 + (" held-packed" if self.hold == "packed" else ""))
         return (f"{self.template} T{self.threads} V{self.vector}B R{self.rows_per_block} "
                 f"{self.rsqrt} {self.hint}{extra}")
 
@@ -231,25 +225,6 @@ class LayerNorm:
         if p.hold == "packed" and not act.half:
             raise ConfigError(f"hold: only a 16-bit row can be held packed, this one is {act.short}; leave hold at "
                               "float")
-        if p.template == "staged":
-            if not p.grid_cap:
-                raise ConfigError("staged: template staged is a persistent grid; give grid_cap, the most blocks it "
-                                  "launches")
-            if d % v:
-                raise ConfigError(f"staged: a row is staged in whole vectors, so vector ({v} elements) must divide "
-                                  f"d={d}; use a narrower vector or template row")
-            if p.hint == "none":
-                raise ConfigError("hint: template staged copies x by cp.async whatever the hint, so hint none would "
-                                  "be nc's twin; use nc or stream")
-            if not isinstance(p.stages, int) or not 2 <= p.stages <= MAX_STAGES:
-                raise ConfigError(f"stages: template staged keeps 2..{MAX_STAGES} rows in flight per block, got "
-                                  f"{p.stages!r}")
-            if (need := self._stage_bytes(shape, p)) > MAX_SHARED_BYTES:
-                raise ConfigError(f"shared-memory: {p.stages} stages of {d}-element rows need {need} bytes, over the "
-                                  f"{MAX_SHARED_BYTES} a block may have; use fewer stages")
-        elif p.stages:
-            raise ConfigError(f"stages: only template staged keeps rows in shared memory; leave stages at 0 for "
-                              f"template {p.template}")
         if p.hold == "packed" and d % v:
             raise ConfigError(f"hold: a packed row is held in whole vectors, so vector ({v} elements) must divide "
                               f"d={d}; use hold float or a narrower vector")
@@ -273,7 +248,7 @@ class LayerNorm:
         if p.template != "wide":
             # a persistent block holds its next rows too; a residual row is two tensors until they are added
             unit = 2 if act.half else 1
-            values = ((self._slots(shape, p) * v + (2 * unit if d % v else 0)) * (2 if self._prefetching(p) else 1)
+            values = ((self._slots(shape, p) * v + (2 * unit if d % v else 0)) * (2 if p.grid_cap else 1)
                       * (2 if shape.residual else 1)) // (2 if p.hold == "packed" else 1)
             if p.weights == "early":  # held as loaded: a 16-bit pair per register
                 weight = element_type(shape.weight_dtype)
@@ -299,16 +274,6 @@ class LayerNorm:
         """Elements per access of a row: `vector` bytes of the activation type."""
         return p.vector // element_type(shape.dtype).itemsize
 
-    @staticmethod
-    def _prefetching(p: Params) -> bool:
-        """A persistent grid of row or multirow blocks: the next rows are held in registers beside the current."""
-        return p.grid_cap > 0 and p.template != "staged"
-
-    def _stage_bytes(self, shape: Shape, p: Params) -> int:
-        """Dynamic shared memory of template staged: `stages` rows of x (and of the residual)."""
-        tensors = 2 if shape.residual else 1
-        return p.stages * tensors * shape.d * element_type(shape.dtype).itemsize
-
     def _weight_tensors(self) -> tuple[str, ...]:
         return ("w", "b") if self.norm == "layer" else ("w",)
 
@@ -322,8 +287,7 @@ class LayerNorm:
         return (f"layernorm_{p.template}_d{shape.d}{self._type_tag(shape)}_t{p.threads}_v{self._elements(shape, p)}_r{p.rows_per_block}"
                 f"_{p.rsqrt}_{p.hint}" + {"two_pass": "", "one_pass": "_onepass", "shifted": "_shift"}[p.stats]
                 + (f"_g{p.grid_cap}" if p.grid_cap else "") + ("_wearly" if p.weights == "early" else "")
-                + (f"_b{p.min_blocks}" if p.min_blocks > 1 else "") + ("_hpack" if p.hold == "packed" else "")
-                + (f"_s{p.stages}" if p.stages else ""))
+                + (f"_b{p.min_blocks}" if p.min_blocks > 1 else "") + ("_hpack" if p.hold == "packed" else ""))
 
     def _type_tag(self, shape: Shape) -> str:
         """'' for fp32 without residual (the names of every kernel tuned before dtypes), else e.g. _bf16_wf32_res."""
@@ -339,9 +303,7 @@ class LayerNorm:
         return dict(
             D=d, T=t, V=v, R=r, W=t // 32, BLOCK=t * r, NVEC=nvec, S=self._slots(shape, p),
             FULL_SLOTS=nvec // t, PEEL=d % v != 0,
-            GUARD_ROWS=r > 1 or self._prefetching(p), PERSISTENT=self._prefetching(p), STATS=p.stats,
-            STAGED=p.template == "staged", STAGES=p.stages, STAGE_TENSORS=2 if shape.residual else 1,
-            ROW_BYTES=d * act.itemsize, VBYTES=p.vector, CP_LEVEL="cg" if p.vector == 16 else "ca",
+            GUARD_ROWS=r > 1 or p.grid_cap > 0, PERSISTENT=p.grid_cap > 0, STATS=p.stats,
             INV_D=f"{1.0 / d:.9e}f", RSQRT=p.rsqrt,
             X_HINT=x_hint, Y_HINT=y_hint, WB_HINT=wb_hint,
             X_HINT_PASS1="nc" if p.hint != "none" else "", X_HINT_PASS2=x_hint, UNROLL=4, NORM=self.norm,
@@ -370,12 +332,9 @@ class LayerNorm:
             shared = (2 if p.grid_cap else 1) * 2 * p.rows_per_block * warps * 4
         else:  # (count, mean, M2) per warp; a persistent block alternates two sets between iterations
             shared = (2 if p.grid_cap else 1) * p.rows_per_block * warps * 3 * 4
-        if p.template == "staged":  # ptxas aligns the static part to the 16-byte stages that follow it
-            shared = -(-shared // 16) * 16
         groups = -(-m // p.rows_per_block)
         return Launch(grid=(min(groups, p.grid_cap) if p.grid_cap else groups, 1, 1),
-                      block=(p.threads * p.rows_per_block, 1, 1),
-                      dynamic_shared_bytes=self._stage_bytes(shape, p) if p.template == "staged" else 0,
+                      block=(p.threads * p.rows_per_block, 1, 1), dynamic_shared_bytes=0,
                       static_shared_bytes=shared)
 
     def launch_formula(self, shape: Shape, p: Params) -> dict[str, Any]:

@@ -17,10 +17,10 @@ import numpy as np
 
 from mage_gen.dtypes import FLOAT32, DType
 from mage_gen.errors import ConfigError
-from mage_gen.ops.base import (MAX_SHARED_BYTES, Arg, TiledProduct, params_dict, params_from, public_params_from,
-                               register_cap)
+from mage_gen.ops.base import Arg, TiledProduct, params_dict, params_from, public_params_from, register_cap
 from mage_gen.render import Source, render
 
+MAX_SHARED_BYTES = 227 * 1024  # the opt-in limit per block on sm_90; smaller GPUs refuse at launch
 MAX_DIM = 1 << 16
 MAX_THREADS = 256
 A_LAYOUTS = ("transposed", "direct")

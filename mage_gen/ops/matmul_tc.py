@@ -50,13 +50,13 @@ import numpy as np
 
 from mage_gen.dtypes import BFLOAT16, FLOAT32, DType
 from mage_gen.errors import ConfigError
-from mage_gen.ops.base import (MAX_SHARED_BYTES, Arg, TiledProduct, params_dict, params_from, public_params_from,
-                               register_cap)
+from mage_gen.ops.base import Arg, TiledProduct, params_dict, params_from, public_params_from, register_cap
 from mage_gen.render import Source, render
 
 PRECISIONS = ("bf16", "tf32", "fp32x3")
 MAX_DIM = 1 << 16
 MAX_THREADS = 256
+MAX_SHARED_BYTES = 227 * 1024  # the opt-in limit per block on sm_90
 _K_STEP = {"bf16": 16, "tf32": 8, "fp32x3": 8}  # K of one mma
 _ELEMENT = {"bf16": BFLOAT16, "tf32": FLOAT32, "fp32x3": FLOAT32}  # of A and B in memory
 _MMA_TYPE = {"bf16": "bf16", "tf32": "tf32", "fp32x3": "tf32"}
