@@ -587,7 +587,7 @@ def _join(storage: str, study_name: str, seed: int, replay: Path | None) -> None
 
     from mage_gen import fleet
     from mage_gen.backends import ReplayBackend
-    from mage_gen.tune import _finished, measure, space_id
+    from mage_gen.tune import _finished, _keys, measure, space_id
     from mage_gen.worker import IsolatedBackend, gpu_backend
 
     handle = fleet.open_storage(storage, workers=2)  # a worker shares its study: SQLite is refused
@@ -615,7 +615,7 @@ def _join(storage: str, study_name: str, seed: int, replay: Path | None) -> None
         measured = measure(op, shape, space, backend, study, int(budget), identity["objective"], seed)
     finally:
         backend.close()
-    held = len(_finished(study, op, shape, expand(op, shape, space)[0]))
+    held = len(_finished(study, op, shape, _keys(op, expand(op, shape, space)[0])))
     out.print(f"measured {measured} configs of study {study_name}; it holds {held} of its {budget}")
 
 

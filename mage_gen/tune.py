@@ -204,12 +204,14 @@ def tune(op: Op, shape: Any, run: dict[str, int], space: Space, backend: Backend
         gpu=backend.device["name"].replace(" ", "_"), arch=backend.arch, preset=space.preset, space=identity["space"])
     study = _open_study(name, storage or default_storage(), _sampler(exhaustive, seed), identity)
     study.set_user_attr("budget", budget)  # what a worker joining the study measures towards
-    from_earlier_runs = len(_finished(study, op, shape, valid))
+    keys = _keys(op, valid)
+    from_earlier_runs = len(_finished(study, op, shape, keys))
     if incumbent is not None and from_earlier_runs < budget:
-        _start_with(study, op, shape, valid, incumbent)
+        _start_with(study, op, shape, keys, incumbent)
     # Compile in parallel, up front, what the search will measure (all of it when exhaustive; every unmeasured
     # config where TPE will try most of them); each trial then finds its variant in the cache.
-    unmeasured = [p for k, p in _keys(op, valid).items() if k not in _finished(study, op, shape, valid)]
+    finished = _finished(study, op, shape, keys)
+    unmeasured = [p for k, p in keys.items() if k not in finished]
     left = budget - from_earlier_runs
     ahead = unmeasured[:left] if exhaustive else (unmeasured if len(unmeasured) <= _PREBUILD_PER_TRIAL * left else [])
     prebuild(op, shape, ahead, backend.arch, progress=(lambda i, n: progress("compiling", i, n)) if progress else None)
@@ -221,15 +223,16 @@ def tune(op: Op, shape: Any, run: dict[str, int], space: Space, backend: Backend
     finally:
         if others is not None:
             others.wait()
-    done = _finished(study, op, shape, valid)
+    done = _finished(study, op, shape, keys)
     return _finish(op, shape, study, done, valid, rejected, backend, objective, measured, from_earlier_runs,
                    "exhaustive" if exhaustive else "tpe", progress)
 
 
-def _start_with(study: optuna.Study, op: Op, shape: Any, valid: list[Any], params: Any) -> None:
-    """Enqueue params as the study's next trial unless they are outside the space or measured already."""
+def _start_with(study: optuna.Study, op: Op, shape: Any, keys: dict[str, Any], params: Any) -> None:
+    """Enqueue params as the study's next trial unless they are outside the space (keys: its valid configs by
+    params key) or measured already."""
     key = params_key(op, params)
-    if key not in _keys(op, valid) or key in _finished(study, op, shape, valid):
+    if key not in keys or key in _finished(study, op, shape, keys):
         return
     fixed = json.loads(key)
     if fixed not in _waiting(study):  # left by an interrupted run
@@ -247,14 +250,16 @@ def _sampler(exhaustive: bool, seed: int) -> optuna.samplers.BaseSampler:
 
 
 def _keys(op: Op, valid: list[Any]) -> dict[str, Any]:
+    """The valid configs by params key: computed once per search (a full preset holds 10⁴ and more, and the
+    search consults them at every proposal)."""
     return {params_key(op, p): p for p in valid}
 
 
-def _finished(study: optuna.Study, op: Op, shape: Any, valid: list[Any]) -> dict[str, Outcome]:
-    """The valid configs the study has measured, from any worker or earlier run: {params key: outcome}. A
-    result measured from another kernel text is stale (as is one recorded before the text was hashed), and a
-    trial failed for want of a heartbeat (its worker died) measured nothing: those are measured again."""
-    keys = _keys(op, valid)
+def _finished(study: optuna.Study, op: Op, shape: Any, keys: dict[str, Any]) -> dict[str, Outcome]:
+    """The valid configs (keys, from _keys) the study has measured, from any worker or earlier run: {params key:
+    outcome}. A result measured from another kernel text is stale (as is one recorded before the text was
+    hashed), and a trial failed for want of a heartbeat (its worker died) measured nothing: those are measured
+    again."""
     done: dict[str, Outcome] = {}
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)):
         key = t.user_attrs.get("params_key")
@@ -287,7 +292,7 @@ def measure(op: Op, shape: Any, space: Space, backend: Backend, study: optuna.St
     measured = stalls = asks = 0
     while True:
         optuna.storages.fail_stale_trials(study)  # a dead worker's trial: failed, its config enqueued again
-        done = _finished(study, op, shape, valid)
+        done = _finished(study, op, shape, valid_keys)
         running = _claims(study)
         if len(done) >= budget:
             break
@@ -330,11 +335,11 @@ def measure(op: Op, shape: Any, space: Space, backend: Backend, study: optuna.St
             stalls += 1
             continue
         trial.set_user_attr("claim", key)
-        why = _yields(study, trial, key, budget, op, shape, valid)
+        why = _yields(study, trial, key, budget, op, shape, valid_keys)
         if why is None and _shared(study):
             # A trial asked just before this one may reach the storage a moment later: look again once it has.
             time.sleep(_CLAIM_SETTLE_S)
-            why = _yields(study, trial, key, budget, op, shape, valid)
+            why = _yields(study, trial, key, budget, op, shape, valid_keys)
         if why is not None:
             trial.set_user_attr("yielded", why)
             study.tell(trial, state=optuna.trial.TrialState.PRUNED)
@@ -359,7 +364,7 @@ def measure(op: Op, shape: Any, space: Space, backend: Backend, study: optuna.St
 
 
 def _yields(study: optuna.Study, trial: optuna.Trial, key: str, budget: int, op: Op, shape: Any,
-            valid: list[Any]) -> str | None:
+            keys: dict[str, Any]) -> str | None:
     """Why this trial must leave its config to another, or None. Running trials count in the order they were
     asked (an enqueued trial's number is older than its asking), which every worker reads alike from the
     storage: the first to ask for a config measures it, and trials asked before this one take the budget
@@ -371,7 +376,7 @@ def _yields(study: optuna.Study, trial: optuna.Trial, key: str, budget: int, op:
     if holder < mine:
         return f"claimed by trial {holder[1]}"
     ahead = {k if k is not None else f"#{order[1]}" for order, k in running.items() if order < mine}
-    finished = _finished(study, op, shape, valid)
+    finished = _finished(study, op, shape, keys)
     if key in finished:
         return "measured by another worker since it was asked"
     if len(finished) + len(ahead - set(finished)) >= budget:

@@ -206,6 +206,27 @@ def test_tpe_measures_at_most_the_budget_never_a_kernel_twice(tpe_run, recorded)
     assert result.measured == len(backend.evaluated) == 10  # plenty was left to find: the budget is spent
 
 
+def test_a_search_keys_its_valid_configs_once_not_at_every_proposal(recording_path, recorded, tmp_path,
+                                                                    monkeypatch):
+    # a full preset holds 10⁴ and more valid configs: keying them all again at each of a search's proposals cost
+    # seconds a trial (the study ran past its two minutes before measuring a tenth of its budget)
+    from mage_gen import tune as tune_module
+
+    calls = collections.Counter()
+    keyed = tune_module.params_key
+
+    def counting(op, params):
+        calls["params_key"] += 1
+        return keyed(op, params)
+
+    monkeypatch.setattr(tune_module, "params_key", counting)
+    valid, _ = expand(OP, SHAPE, recorded)
+    result = run_tune(Recorder(recording_path), recorded, tmp_path, study_name="keyed", trials=10)
+    assert result.measured == 10
+    # the search's keys and the worker loop's, once each, and a key for each proposal: not one set per proposal
+    assert calls["params_key"] < 3 * len(valid), (calls, len(valid))
+
+
 def test_infeasible_configs_never_reach_the_backend(tpe_run, recorded):
     backend, result, folder = tpe_run
     valid, _ = expand(OP, SHAPE, recorded)
