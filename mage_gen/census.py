@@ -47,7 +47,7 @@ class Census:
     bar_sync: int = 0
     shfl_sync: int = 0
     rsqrt_approx: int = 0
-    half_widen: int = 0  # cvt.f32.bf16 / cvt.f32.f16: one 16-bit element to f32
+    half_widen: int = 0  # 16-bit elements widened to f32 (cvt.f32.f16, or a bf16 pair's shl/and)
     half_narrow: int = 0  # cvt.rn.bf16x2.f32 / cvt.rn.f16x2.f32: two f32 rounded into one 32-bit pair
     mma: dict[str, int] = field(default_factory=dict)  # 'm16n8k16.bf16' -> mma.sync instructions
     ldmatrix: dict[str, int] = field(default_factory=dict)  # 'x4', 'x2.trans' -> ldmatrix instructions
@@ -103,6 +103,7 @@ _TF32_ROUND = re.compile(r"\bcvt\.rna?(?:\.satfinite)?\.tf32\.f32\b")
 _MMA = re.compile(r"\bmma\.sync\.aligned\.(m\d+n\d+k\d+)\.row\.col\.f32\.(\w+)\.\w+\.f32\b")
 _LDMATRIX = re.compile(r"\bldmatrix\.sync\.aligned\.m8n8\.(x[124])(\.trans)?\.")
 _HALF_WIDEN = re.compile(r"\bcvt\.f32\.b?f16\b")
+_BF16_PAIR_WIDEN = re.compile(r"// bf16x2 widened")  # half.j2's shl/and of a packed pair: two elements
 _HALF_NARROW = re.compile(r"\bcvt\.rn\.b?f16x2\.f32\b")
 
 
@@ -127,7 +128,7 @@ def take_census(compiled: Compiled) -> Census:
     waits: Counter = Counter()
     for raw in compiled.ptx.splitlines():
         # an inline-asm block holds several instructions on one line: conversions are counted wherever they are
-        counts["half_widen"] += len(_HALF_WIDEN.findall(raw))
+        counts["half_widen"] += len(_HALF_WIDEN.findall(raw)) + 2 * len(_BF16_PAIR_WIDEN.findall(raw))
         counts["half_narrow"] += len(_HALF_NARROW.findall(raw))
         counts["tf32_round"] += len(_TF32_ROUND.findall(raw))
         for shape, kind in _MMA.findall(raw):

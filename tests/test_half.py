@@ -91,6 +91,15 @@ def test_every_16_bit_pattern_widens_to_the_float_torch_gives(dtype):
     assert np.array_equal(wide[~nan].view(np.uint32), expected[~nan].view(np.uint32))  # -0.0 and subnormals too
 
 
+def test_a_bf16_pair_is_widened_by_placing_its_bits_and_an_f16_pair_by_conversion():
+    # a bf16 is the upper half of its f32: a shift and a mask, one instruction each, where mov {lo, hi} and
+    # cvt.f32.bf16 cost ptxas a PRMT and a shift for the upper half
+    bf16, f16 = compiled("bf16").ptx, compiled("f16").ptx
+    assert "cvt.f32.bf16" not in bf16 and bf16.count("bf16x2 widened") == 4
+    assert bf16.count("shl.b32") >= 4 and bf16.count("and.b32") >= 4
+    assert f16.count("cvt.f32.f16") == 8 and "bf16x2 widened" not in f16
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
 def test_rounding_to_16_bits_is_to_nearest_even_bit_for_bit(dtype):
     values = hard_values(dtype)
