@@ -1,0 +1,51 @@
+"""What the norms probes share: named variants of one shape, each gated, then timed hot and cold, interleaved,
+on one copy of the inputs beside the copy of the same bytes (_copy.py), the inputs checked intact after."""
+
+from __future__ import annotations
+
+from _copy import FLOOR, copy_subjects, settle
+
+from mage_gen.dtypes import dtype
+from mage_gen.measure import Bench, interleave
+from mage_gen.peers import on_gpu
+
+ROUNDS, PER_ROUND = 4, 5
+
+
+def time_beside_copy(op, shape, run: dict, variants: dict, label: str, seed: int) -> dict:
+    """{"gates": each variant's gate, "timings": hot and cold of each that passed and of FLOOR,
+    "fraction_of_copy": each one's share of the copy's time, per method}; prints one line per variant."""
+    bench = Bench(op, shape, run, seed=seed)
+    subjects, kernels, gates = [], [], {}
+    try:
+        for name, variant in variants.items():
+            kernel = bench.load(variant)
+            kernels.append(kernel)
+            subject, checked = bench.checked_subject(variant, kernel, name=name, share_inputs=True)
+            gates[name] = checked.to_dict()
+            if subject is None:
+                print(f"{label} {name}: failed the gate: {checked.reason}", flush=True)
+            else:
+                subjects.append(subject)
+        m = run["m"]
+        sources = tuple(on_gpu(bench.timing_buffers()[t].ptr, (m, shape.d), dtype(shape.dtype))
+                        for t in ("x", "residual") if t in bench.timing_buffers())
+        copies = copy_subjects(op.bytes_moved(shape, run), sources)
+        hot = interleave([*subjects, *copies], "hot", ROUNDS, PER_ROUND)
+        cold = interleave([*subjects, *copies], "cold", ROUNDS, PER_ROUND)
+        settle(copies, hot, cold)
+    finally:
+        for s in subjects:
+            s.close()
+        for k in kernels:
+            k.unload()
+    if bench.inputs_changed():
+        raise SystemExit(f"{label}: a kernel or a copy wrote into its inputs")
+    names = [s.name for s in subjects]
+    for n in names:
+        print(f"{label:24} {n:10} hot {hot[n].median_us:8.2f}±{hot[n].spread_us:.2f}  cold {cold[n].median_us:8.2f}"
+              f"±{cold[n].spread_us:.2f} µs  copy {hot[FLOOR].median_us:8.2f} / {cold[FLOOR].median_us:8.2f}", flush=True)
+    return {"gates": gates,
+            "timings": {n: {"hot": hot[n].to_dict(), "cold": cold[n].to_dict()} for n in [*names, FLOOR]},
+            "fraction_of_copy": {n: {meth: t[FLOOR].median_us / t[n].median_us for meth, t in (("hot", hot), ("cold", cold))}
+                                 for n in names}}
