@@ -28,8 +28,8 @@ from mage_gen.errors import MageError, NoGpuError
 from mage_gen.ops import OPS, Op, get_op
 from mage_gen.ops.base import shape_dict
 from mage_gen.space import expand, load_space, preset_names
-from mage_gen.store import (Winner, check_can_save, entry_key, load_winners, pick_winner, save_entry, shape_entries,
-                            stored_params, tuned_shapes)
+from mage_gen.store import (Winner, check_can_save, current_winners, entry_key, load_winners, pick_winner, save_entry,
+                            shape_entries, stored_params, tuned_shapes)
 from mage_gen.timing import Timing
 from mage_gen.variants import Variant, build, build_all, check_op_arch
 
@@ -381,13 +381,19 @@ def _size_classes(op: Op, shape: Any, winners: list[Winner]) -> dict[str, Any] |
 
 
 def _emit_tuned(op: Op, shape: Any, gpu_name: str, arch: str, out_dir: Path, run: dict[str, int] | None,
-                replace: bool, directory: Path | None = None) -> list[Path]:
+                replace: bool, directory: Path | None = None, skip_stale: bool = False) -> list[Path]:
     """Every size class's winner (only the one that serves `run`, where given). A fixed-size op with no entry
     for this shape takes the params of the nearest tuned shape they are valid for, else its default config,
-    and says so."""
+    and says so. With skip_stale (after a tune, whose own class is current), a stale class is left out with a
+    line that says how to retune it, where it would otherwise refuse the whole shape."""
     if not op.run_dims and not shape_entries(op, shape, gpu_name, directory):
         return _emit_untuned(op, shape, gpu_name, arch, out_dir, replace)
-    winners = load_winners(op, shape, gpu_name, directory)
+    if skip_stale:
+        winners, refused = current_winners(op, shape, gpu_name, directory)
+        for exc in refused:
+            err.print(f"not emitted: {exc}", markup=False, highlight=False, soft_wrap=True)
+    else:
+        winners = load_winners(op, shape, gpu_name, directory)
     classes = _size_classes(op, shape, winners)
     if run is not None and op.run_dims:
         winners = [pick_winner(op, shape, winners, run)]
@@ -551,7 +557,8 @@ def tune_command(
                   "replay")
         return
     # A tune's job is the new winner: it replaces what an earlier tune emitted into --out.
-    for path in _emit_tuned(op, shape, device["name"], target, out_dir, None, replace=True, directory=tuned):
+    for path in _emit_tuned(op, shape, device["name"], target, out_dir, None, replace=True, directory=tuned,
+                            skip_stale=True):
         print(path)
 
 

@@ -186,11 +186,26 @@ def stored_params(op: Op, shape: Any, run: dict[str, int], gpu_name: str, direct
 def load_winners(op: Op, shape: Any, gpu_name: str, directory: Path | None = None) -> list[Winner]:
     """The stored winner of every size class of a shape, smallest run size first; each refused when the
     templates changed since it was tuned."""
+    winners, refused = current_winners(op, shape, gpu_name, directory)
+    if refused:
+        raise refused[0]
+    return winners
+
+
+def current_winners(op: Op, shape: Any, gpu_name: str,
+                    directory: Path | None = None) -> tuple[list[Winner], list[StoreError]]:
+    """load_winners where some size classes may be stale (a template changed, and a retune has reached only
+    some classes): the winners still current, and why each other class was refused."""
     keys = shape_entries(op, shape, gpu_name, directory)
     if not keys:  # load_entry words the error: no file, or no entry for this shape
         load_entry(op.name, gpu_name, op.shape_key(shape), directory=directory)
-    winners = [_winner(op, shape, gpu_name, key, directory) for key in keys]
-    return sorted(winners, key=lambda w: sorted((w.run or {}).items()))
+    winners, refused = [], []
+    for key in keys:
+        try:
+            winners.append(_winner(op, shape, gpu_name, key, directory))
+        except StoreError as exc:
+            refused.append(exc)
+    return sorted(winners, key=lambda w: sorted((w.run or {}).items())), refused
 
 
 def load_winner(op: Op, shape: Any, gpu_name: str, run: dict[str, int] | None = None,

@@ -156,6 +156,26 @@ def test_a_tune_into_a_log_says_how_far_it_got_at_every_tenth(tmp_path):
     assert any(line.strip().startswith("re-timing finalists 0/") for line in done.stderr.splitlines())
 
 
+def test_a_tune_emits_its_shape_where_another_size_class_is_stale(tmp_path, synthetic_entry):
+    # After a template change each class is retuned in turn: the first retune stores its winner and emits it,
+    # and names the class still stale rather than failing the whole tune for it.
+    from mage_gen.store import save_entry
+
+    stale = synthetic_entry(source_hash="0123456789abcdef", run={"m": 65536})
+    save_entry("layernorm", "NVIDIA H200", "d=768/float32/m=65536", stale, directory=tmp_path / "tuned")
+    recording = os.path.join(os.path.dirname(__file__), "fixtures", "layernorm_trials_h200_d768_m4096.json")
+    done = subprocess.run([sys.executable, "-m", "mage_gen", "tune", "layernorm", "--d", "768", "--replay", recording,
+                           "--trials", "4", "--out", str(tmp_path / "k"), "--tuned", str(tmp_path / "tuned")],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "XDG_DATA_HOME": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 0, done.stderr
+    refused = [line for line in done.stderr.splitlines() if line.startswith("not emitted: ")]
+    assert len(refused) == 1 and "d=768/float32/m=65536 is stale" in refused[0]
+    assert "run `mage-gen tune layernorm --d 768 --m 65536`" in refused[0]
+    emitted = sorted(p.name for p in (tmp_path / "k").iterdir())
+    assert emitted and all("m4096" in name for name in emitted), emitted
+
+
 def test_the_variants_table_shows_the_rows_loads_not_a_weight_vectors():
     # x, w and b are each loaded 12 times here: the column must name the rows, not the first tensor by name
     from mage_gen.cli import _loads_summary
