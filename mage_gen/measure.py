@@ -12,6 +12,8 @@ Cold: the L2 flushed by writing a buffer several times its size before each time
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
@@ -42,6 +44,7 @@ class GateResult:
     worst_error: float  # largest relative error over the runs (inf where a run failed outright)
     errors: dict[str, float] = field(default_factory=dict)  # gate run ('m=37') -> relative error
     fault: bool = False  # a CUDA error, not a wrong answer: the context may be unusable after it
+    host_s: float = 0.0  # of the gate's time, the host's: fresh inputs, their float64 reference, the comparison
 
     def to_dict(self) -> dict:
         return {"passed": self.passed, "reason": self.reason, "worst_error": self.worst_error,
@@ -154,14 +157,6 @@ class Bound:
         self.buffers.clear()
 
 
-def check_outputs(op: Op, shape: Any, bound: Bound) -> tuple[float, str]:
-    """(relative error, reason it failed or '')."""
-    outputs, complaints = bound.outputs()
-    if complaints:
-        return float("inf"), "; ".join(complaints)
-    return compare_outputs(op, shape, outputs, op.reference(shape, bound.inputs, op.scalars(shape, bound.run)))
-
-
 def compare_outputs(op: Op, shape: Any, outputs: dict[str, np.ndarray],
                     reference: dict[str, np.ndarray]) -> tuple[float, str]:
     """The gate's verdict on outputs, wherever they were computed: (relative error, reason it failed or '');
@@ -183,20 +178,28 @@ def compare_outputs(op: Op, shape: Any, outputs: dict[str, np.ndarray],
 def gate(op: Op, shape: Any, params: Any, kernel: gpu.Kernel, run: dict[str, int],
          rng: np.random.Generator, stream: gpu.Stream) -> GateResult:
     errors: dict[str, float] = {}
+    host = 0.0
     for gate_run in op.gate_runs(shape, run, params):
         key = ",".join(f"{k}={v}" for k, v in gate_run.items()) or "fixed"
         bound = None
         try:
-            bound = Bound(op, shape, params, kernel, gate_run, op.make_inputs(shape, gate_run, rng))
+            started = time.perf_counter()
+            inputs = op.make_inputs(shape, gate_run, rng)
+            host += time.perf_counter() - started
+            bound = Bound(op, shape, params, kernel, gate_run, inputs)
             bound.poison(stream)
             bound.enqueue(stream.handle)
             stream.synchronize()
-            err, reason = check_outputs(op, shape, bound)
+            outputs, complaints = bound.outputs()
+            started = time.perf_counter()
+            err, reason = (float("inf"), "; ".join(complaints)) if complaints else \
+                compare_outputs(op, shape, outputs, op.reference(shape, inputs, op.scalars(shape, gate_run)))
+            host += time.perf_counter() - started
         except GpuError as exc:
             if bound is not None:
                 with contextlib.suppress(GpuError):  # a lost context refuses even this; the fault is the news
                     bound.free()
-            return GateResult(False, f"{gate_run}: {exc}", float("inf"), errors, fault=True)
+            return GateResult(False, f"{gate_run}: {exc}", float("inf"), errors, fault=True, host_s=host)
         except BaseException:
             if bound is not None:
                 bound.free()
@@ -204,8 +207,8 @@ def gate(op: Op, shape: Any, params: Any, kernel: gpu.Kernel, run: dict[str, int
         bound.free()
         errors[key] = err
         if reason:
-            return GateResult(False, f"{gate_run}: {reason}", err, errors)
-    return GateResult(True, "", max(errors.values()), errors)
+            return GateResult(False, f"{gate_run}: {reason}", err, errors, host_s=host)
+    return GateResult(True, "", max(errors.values()), errors, host_s=host)
 
 
 class DeviceReference:
@@ -343,6 +346,8 @@ class Evaluation:
     gate: GateResult
     hot: Timing | None = None  # None when the gate failed: a failed variant is never timed
     cold: Timing | None = None
+    # where the evaluation's wall time went: load, gate (with the timed-size check), of it gate_host, timing
+    seconds: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {"gate": self.gate.to_dict(), "hot": self.hot.to_dict() if self.hot else None,
@@ -451,8 +456,9 @@ class Bench:
         errors = {**result.errors, f"{key} (timing inputs)": err}
         if reason:
             subject.close()
-            return None, GateResult(False, f"{self.run} on the timing inputs: {reason}", err, errors)
-        return subject, GateResult(True, "", max(errors.values()), errors)
+            return None, GateResult(False, f"{self.run} on the timing inputs: {reason}", err, errors,
+                                    host_s=result.host_s)
+        return subject, GateResult(True, "", max(errors.values()), errors, host_s=result.host_s)
 
     def evaluate(self, variant: Any, hot_replays: int = 10, cold_count: int = 10) -> Evaluation:
         """Gate, then time; a failure is a failed Evaluation, except a CUDA error that left the context
@@ -460,8 +466,11 @@ class Bench:
         one rather than failing every later trial in a dead context."""
         kernel = None
         try:
+            started = time.perf_counter()
             kernel = self.load(variant)
+            loaded = time.perf_counter() - started
             evaluation = self._gate_and_time(variant, kernel, hot_replays, cold_count)
+            evaluation = dataclasses.replace(evaluation, seconds={"load": loaded, **evaluation.seconds})
         except GpuError as exc:  # the load refused (too much shared memory for this GPU, a bad image)
             evaluation = Evaluation(GateResult(False, f"load: {exc}", float("inf"), fault=True))
         except BaseException:
@@ -476,16 +485,20 @@ class Bench:
         return evaluation
 
     def _gate_and_time(self, variant: Any, kernel: gpu.Kernel, hot_replays: int, cold_count: int) -> Evaluation:
+        started = time.perf_counter()
         try:
             subject, result = self.checked_subject(variant, kernel)
         except GpuError as exc:
             return Evaluation(GateResult(False, f"timed-size check: {exc}", float("inf"), fault=True))
+        gated = time.perf_counter()
+        seconds = {"gate": gated - started, "gate_host": result.host_s}
         if subject is None:
-            return Evaluation(result)
+            return Evaluation(result, seconds=seconds)
         try:
             try:
-                return Evaluation(result, Timing.from_samples("hot", subject.hot(hot_replays)),
-                                  Timing.from_samples("cold", subject.cold(cold_count)))
+                hot = Timing.from_samples("hot", subject.hot(hot_replays))
+                cold = Timing.from_samples("cold", subject.cold(cold_count))
+                return Evaluation(result, hot, cold, seconds={**seconds, "timing": time.perf_counter() - gated})
             finally:
                 subject.close()
         except GpuError as exc:

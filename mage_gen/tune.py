@@ -105,6 +105,9 @@ class TuneResult:
     tied_with: list[str]
     peers: dict[str, dict[str, Any]]  # name -> {'hot': Timing, 'cold': Timing, 'config': {...}}
     dropped: dict[str, str] = field(default_factory=dict)
+    # where this process's trials spent their time, seconds per trial (measure.Evaluation.seconds); empty when
+    # its backend does not say (a replay)
+    trial_seconds: dict[str, float] = field(default_factory=dict)
 
     def entry(self, op: Op, shape: Any, run: dict[str, int], device: dict[str, Any], objective: str) -> dict[str, Any]:
         """The tuned/ record of this result, provenance included."""
@@ -226,6 +229,14 @@ def tune(op: Op, shape: Any, run: dict[str, int], space: Space, backend: Backend
     done = _finished(study, op, shape, keys)
     return _finish(op, shape, study, done, valid, rejected, backend, objective, measured, from_earlier_runs,
                    "exhaustive" if exhaustive else "tpe", progress)
+
+
+def _seconds_per_trial(study: optuna.Study) -> dict[str, float]:
+    """The mean of each part of the trials this process measured (other workers and earlier runs left out)."""
+    own = [t.user_attrs["seconds"] for t in study.get_trials(deepcopy=False)
+           if t.user_attrs.get("worker") == WORKER and "seconds" in t.user_attrs]
+    parts = dict.fromkeys(part for s in own for part in s)  # a trial that failed its gate was not timed
+    return {part: sum(s.get(part, 0.0) for s in own) / len(own) for part in parts}
 
 
 def _start_with(study: optuna.Study, op: Op, shape: Any, keys: dict[str, Any], params: Any) -> None:
@@ -409,6 +420,8 @@ def _measure(op: Op, shape: Any, params: Any, backend: Backend, trial: optuna.Tr
         return None, kernel, reason
     trial.set_user_attr("census", variant.census.to_dict())
     evaluation = backend.evaluate(variant)
+    if evaluation.seconds:
+        trial.set_user_attr("seconds", {part: round(s, 4) for part, s in evaluation.seconds.items()})
     trial.set_user_attr("gate", evaluation.gate.to_dict())
     if not evaluation.gate.passed:
         reason = f"gate: {evaluation.gate.reason}"
@@ -452,7 +465,8 @@ def _finish(op, shape, study, done, valid, rejected, backend, objective, measure
     result = TuneResult(
         study=study.study_name, sampler=sampler, valid=len(valid), rejected=len(rejected), measured=measured,
         reused=reused, failed=failed, winner=winner, runner_ups=[f for f in ranked if f is not winner],
-        tie=len(tied) > 1, tied_with=[f.name for f in tied if f is not winner], peers=peers, dropped=dropped)
+        tie=len(tied) > 1, tied_with=[f.name for f in tied if f is not winner], peers=peers, dropped=dropped,
+        trial_seconds=_seconds_per_trial(study))
     # the report reads the final round from the study, whichever tuned/ entry it led to
     study.set_user_attr("final_round", {"winner": winner.name, "winner_params": op.params_to_dict(winner.params),
                                         "winner_registers": winner.registers, **result.final_round(op, objective)})

@@ -40,6 +40,9 @@ def test_timings_are_positive_and_grow_with_the_problem(device):
             assert math.isfinite(t.median_us) and t.median_us > 0 and t.spread_us >= 0
     assert large.hot.median_us > 4 * small.hot.median_us  # 64× the rows cannot cost under 4× the time
     assert large.cold.median_us > small.cold.median_us
+    for ev in (small, large):  # where the evaluation's time went, as `tune` reports it per trial
+        assert set(ev.seconds) == {"load", "gate", "gate_host", "timing"}
+        assert 0 < ev.seconds["gate_host"] < ev.seconds["gate"] and min(ev.seconds.values()) > 0
 
 
 

@@ -635,3 +635,23 @@ def test_tpe_with_a_budget_of_the_whole_space_measures_all_of_it(recording_path,
     result = run_tune(backend, space, tmp_path, study_name="all", trials=len(valid))
     assert result.sampler == "tpe" and result.measured == len(valid)
     assert collections.Counter(backend.evaluated) == collections.Counter(kernels(valid))
+
+
+def test_a_tune_reports_its_own_trials_seconds_and_no_one_elses():
+    import optuna
+
+    from mage_gen.tune import WORKER, _seconds_per_trial
+    study = optuna.create_study()
+    for worker, seconds in ((WORKER, {"load": 0.02, "gate": 0.3, "gate_host": 0.2, "timing": 0.1}),
+                            (WORKER, {"load": 0.04, "gate": 0.5, "gate_host": 0.4}),  # failed its gate: not timed
+                            ("another-host:1", {"load": 9.0, "gate": 9.0, "gate_host": 9.0, "timing": 9.0})):
+        study.add_trial(optuna.trial.create_trial(value=1.0, user_attrs={"worker": worker, "seconds": seconds}))
+    study.add_trial(optuna.trial.create_trial(value=1.0, user_attrs={"worker": WORKER}))  # a replay says nothing
+    assert _seconds_per_trial(study) == pytest.approx({"load": 0.03, "gate": 0.4, "gate_host": 0.3, "timing": 0.05})
+    assert _seconds_per_trial(optuna.create_study()) == {}
+
+
+def test_the_trial_seconds_line_names_each_part():
+    from mage_gen.cli import _trial_seconds_line
+    line = _trial_seconds_line({"load": 0.012, "gate": 0.31, "gate_host": 0.25, "timing": 0.12})
+    assert line == "a trial, on average: load 0.01 s, gate 0.31 s (host 0.25 s), timing 0.12 s"

@@ -1,0 +1,87 @@
+"""measure.gate's verdicts and its account of the host's time, without a GPU: the device side (buffers, launch,
+fences) is a stand-in that writes what a kernel would, so that what the gate does with it is what is tested."""
+
+import numpy as np
+import pytest
+
+from mage_gen import measure
+from mage_gen.dtypes import dtype as element_type
+from mage_gen.ops import get_op
+
+OP = get_op("layernorm")
+SHAPE = OP.shape(d=256, dtype="bf16")
+
+
+class Stream:
+    handle = None
+
+    def synchronize(self) -> None:
+        pass
+
+
+def standing_in(writes):
+    """A Bound whose 'kernel' leaves writes(reference, run) in its outputs, and whose fences are never hit
+    unless writes says so (by returning complaints)."""
+
+    class Bound:
+        freed = 0
+
+        def __init__(self, op, shape, params, kernel, run, inputs):
+            self.op, self.shape, self.run, self.inputs = op, shape, run, inputs
+
+        def poison(self, stream) -> None:
+            pass
+
+        def enqueue(self, handle) -> None:
+            pass
+
+        def outputs(self):
+            reference = self.op.reference(self.shape, self.inputs, self.op.scalars(self.shape, self.run))
+            return writes(reference, self.run)
+
+        def free(self) -> None:
+            Bound.freed += 1
+
+    return Bound
+
+
+def as_written(reference, run):
+    act = element_type(SHAPE.dtype)
+    return {name: act.round(ref) for name, ref in reference.items()}, []
+
+
+@pytest.fixture
+def params():
+    return OP.params_from_dict({"threads": 64, "vector": 16})
+
+
+def test_a_kernel_that_writes_the_reference_passes_at_every_gate_size_and_the_host_time_is_counted(
+        monkeypatch, params):
+    bound = standing_in(as_written)
+    monkeypatch.setattr(measure, "Bound", bound)
+    result = measure.gate(OP, SHAPE, params, None, {"m": 4096}, np.random.default_rng(0), Stream())
+    assert result.passed, result.reason
+    assert list(result.errors) == [f"m={r['m']}" for r in OP.gate_runs(SHAPE, {"m": 4096}, params)]
+    assert result.host_s > 0 and bound.freed == len(result.errors)
+
+
+def test_a_nan_in_the_output_fails_the_gate_at_the_first_size_it_appears(monkeypatch, params):
+    def nan_from_37_rows(reference, run):
+        outputs, _ = as_written(reference, run)
+        if run["m"] >= 37:
+            outputs["y"][-1, -1] = 0x7FC0  # a bf16 NaN
+        return outputs, []
+
+    monkeypatch.setattr(measure, "Bound", standing_in(nan_from_37_rows))
+    result = measure.gate(OP, SHAPE, params, None, {"m": 4096}, np.random.default_rng(0), Stream())
+    assert not result.passed and "m': 37" in result.reason and "NaN" in result.reason
+    assert list(result.errors) == ["m=1", "m=37"] and result.errors["m=37"] == float("inf") and result.host_s > 0
+
+
+def test_a_written_fence_fails_the_gate(monkeypatch, params):
+    def fence_hit(reference, run):
+        return as_written(reference, run)[0], ["wrote 2 elements outside y"]
+
+    monkeypatch.setattr(measure, "Bound", standing_in(fence_hit))
+    result = measure.gate(OP, SHAPE, params, None, {"m": 4096}, np.random.default_rng(0), Stream())
+    assert not result.passed and "wrote 2 elements outside y" in result.reason and result.worst_error == float("inf")
