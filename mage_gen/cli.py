@@ -381,8 +381,8 @@ def _size_classes(op: Op, shape: Any, winners: list[Winner]) -> dict[str, Any] |
 
 
 def _trial_seconds_line(seconds: dict[str, float]) -> str:
-    """'a trial: load 0.01 s, gate 0.31 s (host 0.25 s), timing 0.12 s'; the rest of a trial's share of the
-    measuring phase is the tuner's own (proposals, storage) and its worker's round trips."""
+    """'a trial, on average: load 0.01 s, gate 0.31 s (host 0.25 s), timing 0.12 s'; the rest of a trial's share
+    of the measuring phase is the tuner's own (proposals, storage) and its worker's round trips."""
     parts = [f"load {seconds['load']:.2f} s"] if "load" in seconds else []
     if "gate" in seconds:
         parts.append(f"gate {seconds['gate']:.2f} s (host {seconds.get('gate_host', 0.0):.2f} s)")
