@@ -383,12 +383,9 @@ def _size_classes(op: Op, shape: Any, winners: list[Winner]) -> dict[str, Any] |
 def _trial_seconds_line(seconds: dict[str, float]) -> str:
     """'a trial, on average: load 0.01 s, gate 0.31 s (host 0.25 s), timing 0.12 s'; the rest of a trial's share
     of the measuring phase is the tuner's own (proposals, storage) and its worker's round trips."""
-    parts = [f"load {seconds['load']:.2f} s"] if "load" in seconds else []
-    if "gate" in seconds:
-        parts.append(f"gate {seconds['gate']:.2f} s (host {seconds.get('gate_host', 0.0):.2f} s)")
-    if "timing" in seconds:
-        parts.append(f"timing {seconds['timing']:.2f} s")
-    return "a trial, on average: " + ", ".join(parts)
+    s = {part: seconds.get(part, 0.0) for part in ("load", "gate", "gate_host", "timing")}
+    return (f"a trial, on average: load {s['load']:.2f} s, gate {s['gate']:.2f} s (host {s['gate_host']:.2f} s), "
+            f"timing {s['timing']:.2f} s")
 
 
 def _emit_tuned(op: Op, shape: Any, gpu_name: str, arch: str, out_dir: Path, run: dict[str, int] | None,
