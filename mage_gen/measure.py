@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any, Protocol
@@ -175,8 +176,52 @@ def compare_outputs(op: Op, shape: Any, outputs: dict[str, np.ndarray],
     return worst, ""
 
 
+Case = tuple[dict[str, np.ndarray], dict[str, np.ndarray]]  # fresh inputs, their float64 reference
+
+
+class GateCases:
+    """The gate's cases: inputs drawn for one check only, with their float64 reference.
+
+    ahead: as soon as a case of one run size is taken, the next of that size is drawn on a background thread, so
+    that it is ready when the next variant is gated. A case is still used by one check alone; what moves is when
+    it is drawn. On a host of few cores, the inputs and reference of a persistent grid's covering run (16M
+    elements at d = 4096) cost more than the rest of a trial, and this way overlap the search's work between
+    trials and the GPU's within them. Each run size then draws from its own stream of the generator, so a seed
+    still fixes every case."""
+
+    def __init__(self, op: Op, shape: Any, rng: np.random.Generator, ahead: bool = False):
+        self.op, self.shape, self.rng = op, shape, rng
+        self._streams: dict[tuple, np.random.Generator] = {}
+        self._next: dict[tuple, Future[Case]] = {}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="gate-cases") if ahead else None
+
+    def take(self, run: dict[str, int]) -> Case:
+        key = tuple(run.items())
+        if self._pool is None:
+            return self._draw(run, self.rng)
+        if key not in self._streams:
+            self._streams[key] = self.rng.spawn(1)[0]
+        stream = self._streams[key]
+        pending = self._next.pop(key, None)
+        case = pending.result() if pending is not None else self._draw(run, stream)
+        self._next[key] = self._pool.submit(self._draw, run, stream)
+        return case
+
+    def _draw(self, run: dict[str, int], rng: np.random.Generator) -> Case:
+        inputs = self.op.make_inputs(self.shape, run, rng)
+        return inputs, self.op.reference(self.shape, inputs, self.op.scalars(self.shape, run))
+
+    def close(self) -> None:
+        """Drops the cases drawn ahead; one being drawn finishes on its own."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._next.clear()
+
+
 def gate(op: Op, shape: Any, params: Any, kernel: gpu.Kernel, run: dict[str, int],
-         rng: np.random.Generator, stream: gpu.Stream) -> GateResult:
+         rng: np.random.Generator, stream: gpu.Stream, cases: GateCases | None = None) -> GateResult:
+    """cases: where the fresh cases come from (a Bench draws them ahead); drawn from rng when not given."""
+    cases = cases or GateCases(op, shape, rng)
     errors: dict[str, float] = {}
     host = 0.0
     for gate_run in op.gate_runs(shape, run, params):
@@ -184,7 +229,7 @@ def gate(op: Op, shape: Any, params: Any, kernel: gpu.Kernel, run: dict[str, int
         bound = None
         try:
             started = time.perf_counter()
-            inputs = op.make_inputs(shape, gate_run, rng)
+            inputs, reference = cases.take(gate_run)
             host += time.perf_counter() - started
             bound = Bound(op, shape, params, kernel, gate_run, inputs)
             bound.poison(stream)
@@ -193,7 +238,7 @@ def gate(op: Op, shape: Any, params: Any, kernel: gpu.Kernel, run: dict[str, int
             outputs, complaints = bound.outputs()
             started = time.perf_counter()
             err, reason = (float("inf"), "; ".join(complaints)) if complaints else \
-                compare_outputs(op, shape, outputs, op.reference(shape, inputs, op.scalars(shape, gate_run)))
+                compare_outputs(op, shape, outputs, reference)
             host += time.perf_counter() - started
         except GpuError as exc:
             if bound is not None:
@@ -362,6 +407,7 @@ class Bench:
         self.device = gpu.open_device()
         self.stream = gpu.Stream()
         self.rng = np.random.default_rng(seed)
+        self.cases = GateCases(op, shape, self.rng, ahead=True)
         self._timing_inputs: dict[str, np.ndarray] | None = None
         self._timing_on_device: dict[str, gpu.Buffer] | None = None
         self._timing_reference: DeviceReference | None = None
@@ -440,7 +486,7 @@ class Bench:
                         share_inputs: bool = False) -> tuple[KernelSubject | None, GateResult]:
         """Gate (fresh inputs at the op's gate sizes), then one launch at the timed size on the timing inputs
         into a poisoned, fenced output, compared on the GPU: a subject only for a kernel that passed both."""
-        result = gate(self.op, self.shape, variant.params, kernel, self.run, self.rng, self.stream)
+        result = gate(self.op, self.shape, variant.params, kernel, self.run, self.rng, self.stream, self.cases)
         if not result.passed:
             return None, result
         subject = self.subject(variant, kernel, name, share_inputs)

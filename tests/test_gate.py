@@ -85,3 +85,39 @@ def test_a_written_fence_fails_the_gate(monkeypatch, params):
     monkeypatch.setattr(measure, "Bound", standing_in(fence_hit))
     result = measure.gate(OP, SHAPE, params, None, {"m": 4096}, np.random.default_rng(0), Stream())
     assert not result.passed and "wrote 2 elements outside y" in result.reason and result.worst_error == float("inf")
+
+
+def test_cases_drawn_ahead_are_fresh_for_every_check_and_fixed_by_the_seed():
+    def drawn(seed):
+        cases = measure.GateCases(OP, SHAPE, np.random.default_rng(seed), ahead=True)
+        try:
+            return [cases.take({"m": m}) for m in (37, 37, 300, 37, 300)]
+        finally:
+            cases.close()
+
+    first, again, other = drawn(5), drawn(5), drawn(6)
+    xs = [inputs["x"].tobytes() for inputs, _ in first]
+    assert len(set(xs)) == len(xs)  # no case is handed out twice
+    for (inputs, reference), (inputs_again, _), (inputs_other, _) in zip(first, again, other):
+        np.testing.assert_array_equal(inputs["x"], inputs_again["x"])
+        assert not np.array_equal(inputs["x"], inputs_other["x"])
+        expected = OP.reference(SHAPE, inputs, OP.scalars(SHAPE, {"m": len(inputs["x"])}))
+        np.testing.assert_array_equal(reference["y"], expected["y"])  # the reference of these very inputs
+
+
+def test_the_gate_takes_its_cases_from_the_cases_given(monkeypatch, params):
+    taken = []
+
+    class Counted(measure.GateCases):
+        def take(self, run):
+            taken.append(run["m"])
+            return super().take(run)
+
+    monkeypatch.setattr(measure, "Bound", standing_in(as_written))
+    cases = Counted(OP, SHAPE, np.random.default_rng(0), ahead=True)
+    try:
+        for _ in range(2):
+            assert measure.gate(OP, SHAPE, params, None, {"m": 4096}, None, Stream(), cases).passed
+    finally:
+        cases.close()
+    assert taken == 2 * [r["m"] for r in OP.gate_runs(SHAPE, {"m": 4096}, params)]
