@@ -29,7 +29,7 @@ from mage_gen.ops import OPS, Op, get_op
 from mage_gen.ops.base import shape_dict
 from mage_gen.space import expand, load_space, preset_names
 from mage_gen.store import (Winner, check_can_save, current_winners, entry_key, load_winners, pick_winner, save_entry,
-                            shape_entries, stored_params, tuned_shapes)
+                            shape_entries, stored_axes, stored_params, tuned_shapes)
 from mage_gen.timing import Timing
 from mage_gen.variants import Variant, build, build_all, check_op_arch
 
@@ -713,8 +713,14 @@ def _tune_size_class(op: Op, shape: Any, run: dict[str, int], space: Any, replay
     backend = replayed or IsolatedBackend(partial(gpu_backend, op.name, shape, run, seed))
     storage = fleet.open_storage(search["storage"], len(gpus or [0])) if search["storage"] else None
     incumbent = stored_params(op, shape, run, backend.device["name"], tuned) if store else None
+    unrecorded: list[str] = []
     if incumbent is not None:
         _log(f"  the stored winner {op.kernel_name(shape, incumbent)} is measured first where the preset holds it")
+        named = stored_axes(op, shape, run, backend.device["name"], tuned)
+        unrecorded = [axis for axis, values in space.axes if axis not in named and len(values) > 1]
+        if unrecorded:
+            _log(f"  it was tuned before {', '.join(unrecorded)} existed: it is measured first at each of their values "
+                 "too")
     started: list[Any] = []
 
     def helpers(study: Any) -> Any:
@@ -737,7 +743,8 @@ def _tune_size_class(op: Op, shape: Any, run: dict[str, int], space: Any, replay
             result = tune_search(op, shape, run, space, backend, seed=seed, progress=report,
                                  study_name=search["study"], objective=search["objective"],
                                  trials=search["trials"], storage=storage,
-                                 helpers=helpers if gpus and len(gpus) > 1 else None, incumbent=incumbent)
+                                 helpers=helpers if gpus and len(gpus) > 1 else None, incumbent=incumbent,
+                                 unrecorded=unrecorded)
         finally:
             backend.close()
     for workers in started:

@@ -183,6 +183,13 @@ def stored_params(op: Op, shape: Any, run: dict[str, int], gpu_name: str, direct
         return None
 
 
+def stored_axes(op: Op, shape: Any, run: dict[str, int], gpu_name: str, directory: Path | None = None) -> set[str]:
+    """The params this size class's stored winner names: an entry tuned before an axis existed lacks it."""
+    entry = shape_entries(op, shape, gpu_name, directory).get(entry_key(op, shape, run))
+    params = entry.get("params") if entry else None
+    return set(params) if isinstance(params, dict) else set()
+
+
 def load_winners(op: Op, shape: Any, gpu_name: str, directory: Path | None = None) -> list[Winner]:
     """The stored winner of every size class of a shape, smallest run size first; each refused when the
     templates changed since it was tuned."""

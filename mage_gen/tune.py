@@ -10,6 +10,7 @@ cold for a hot one), then by fewer registers, then fewer threads.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import hashlib
@@ -19,7 +20,7 @@ import random
 import socket
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -154,6 +155,8 @@ def params_key(op: Op, params: Any) -> str:
 def _open_study(name: str, storage: str, sampler: optuna.samplers.BaseSampler, identity: dict[str, Any]
                 ) -> optuna.Study:
     try:
+        if isinstance(storage, str) and storage.startswith("sqlite:"):
+            storage = optuna.storages.RDBStorage(storage)
         study = optuna.create_study(study_name=name, storage=None if storage == IN_MEMORY else storage,
                                     sampler=sampler, direction="minimize", load_if_exists=True)
     except Exception as exc:  # SQLAlchemy and Optuna raise many kinds for a bad or unreachable URL
@@ -173,7 +176,24 @@ def _open_study(name: str, storage: str, sampler: optuna.samplers.BaseSampler, i
     elif stored != identity:
         raise ConfigError(f"study: study {name!r} belongs to {stored}, not {identity}; "
                           "choose another --study name")
+    if isinstance(storage, optuna.storages.RDBStorage) and storage.engine.name == "sqlite":
+        _journal_ahead(storage)  # only now: a file holding another's study is left as it was
     return study
+
+
+def _journal_ahead(storage: optuna.storages.RDBStorage) -> None:
+    """A SQLite file's journal written ahead (WAL), synced at checkpoints only, from the next connection on.
+    Optuna commits each param of each proposal, a hundred commits a trial, and with SQLite's defaults every one
+    waits for the disk: on a 2-core host with a slow disk, 96 instant trials took 46.8 s of bookkeeping, 19.5 s
+    so. A finished trial still outlives the process; only a power cut can take the last commits, never the file."""
+    import sqlalchemy
+
+    def journal_ahead(connection: Any, _record: Any) -> None:
+        connection.execute("PRAGMA journal_mode=WAL")
+        connection.execute("PRAGMA synchronous=NORMAL")
+
+    sqlalchemy.event.listen(storage.engine, "connect", journal_ahead)
+    storage.engine.dispose()  # the connections opened so far have not heard of it
 
 
 def space_id(space: Space) -> str:
@@ -185,12 +205,15 @@ def space_id(space: Space) -> str:
 def tune(op: Op, shape: Any, run: dict[str, int], space: Space, backend: Backend, *, objective: str = "hot",
          trials: int | None = None, storage: Any = None, study_name: str | None = None, seed: int = 0,
          progress: Callable[[str, int, int], None] | None = None,
-         helpers: Callable[[optuna.Study], Any] | None = None, incumbent: Any = None) -> TuneResult:
+         helpers: Callable[[optuna.Study], Any] | None = None, incumbent: Any = None,
+         unrecorded: Sequence[str] = ()) -> TuneResult:
     """Search, then re-time the finalists beside the peers. storage: a URL or an Optuna storage. helpers: called
     with the opened study, it starts other workers on it (fleet.py) and returns a handle whose wait() is called
     before the final round; their trials count towards the same budget. incumbent: the params of the size
     class's stored winner; where they lie in the space and the study has not measured them, they are measured
-    first, so that a search over another preset always has the stored winner among its candidates."""
+    first, so that a search over another preset always has the stored winner among its candidates. unrecorded: axes
+    the stored winner's entry does not name (it was tuned before they existed): the incumbent at each of their other
+    values in the space is measured first too, the one new lever tried on the config that won without it."""
     if objective not in ("hot", "cold"):
         raise ConfigError(f"objective: must be 'hot' or 'cold', got {objective!r}")
     valid, rejected = expand(op, shape, space)
@@ -210,7 +233,8 @@ def tune(op: Op, shape: Any, run: dict[str, int], space: Space, backend: Backend
     keys = _keys(op, valid)
     from_earlier_runs = len(_finished(study, op, shape, keys))
     if incumbent is not None and from_earlier_runs < budget:
-        _start_with(study, op, shape, keys, incumbent)
+        for params in _beside(incumbent, space, unrecorded):
+            _start_with(study, op, shape, keys, params)
     # Compile in parallel, up front, what the search will measure (all of it when exhaustive; every unmeasured
     # config where TPE will try most of them); each trial then finds its variant in the cache.
     finished = _finished(study, op, shape, keys)
@@ -248,6 +272,13 @@ def _start_with(study: optuna.Study, op: Op, shape: Any, keys: dict[str, Any], p
     fixed = json.loads(key)
     if fixed not in _waiting(study):  # left by an interrupted run
         study.enqueue_trial(fixed)
+
+
+def _beside(incumbent: Any, space: Space, axes: Sequence[str]) -> list[Any]:
+    """The incumbent, then the incumbent at each other value the space gives each of these axes."""
+    values = dict(space.axes)
+    return [incumbent, *(dataclasses.replace(incumbent, **{axis: value}) for axis in axes
+                         for value in values.get(axis, ()) if value != getattr(incumbent, axis))]
 
 
 def _waiting(study: optuna.Study) -> list[dict[str, Any]]:

@@ -9,10 +9,12 @@ the recording lacks (a tie, a failed gate), it writes a modified copy of the rec
 and says so.
 """
 
+import dataclasses
 import collections
 import copy
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -304,6 +306,25 @@ def test_the_stored_winner_is_measured_first_where_the_search_would_not_reach_it
     assert backend.evaluated[0] == name and name not in plain.evaluated
     assert len(backend.evaluated) == len(set(backend.evaluated)) == 6  # within the budget, never twice
     assert name in backend.finalists
+
+
+def test_a_sqlite_study_is_journaled_ahead_once_it_is_known_to_be_ours(recording_path, small, tmp_path):
+    run_tune(Recorder(recording_path), small, tmp_path, study_name="wal", trials=2)
+    with sqlite3.connect(tmp_path / "studies.db") as db:
+        assert db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+
+
+def test_a_stored_winner_from_before_an_axis_is_measured_first_at_each_of_its_values(recording_path, recorded,
+                                                                                   tmp_path):
+    valid, _ = expand(OP, SHAPE, recorded)
+    hints = dict(recorded.axes)["hint"]
+    assert len(hints) > 1
+    stored = next(p for p in valid if all(dataclasses.replace(p, hint=h) in valid for h in hints))
+    backend = Recorder(recording_path)
+    run_tune(backend, recorded, tmp_path, study_name="new-axis", trials=6, incumbent=stored, unrecorded=["hint"])
+    beside = [stored] + [dataclasses.replace(stored, hint=h) for h in hints if h != stored.hint]
+    assert backend.evaluated[:len(beside)] == kernels(beside)
+    assert len(backend.evaluated) == len(set(backend.evaluated)) == 6
 
 
 def test_a_stored_winner_measured_already_or_outside_the_space_is_not_measured_for_it(recording_path, recorded,
