@@ -52,6 +52,8 @@ class Census:
     mma: dict[str, int] = field(default_factory=dict)  # 'm16n8k16.bf16' -> mma.sync instructions
     ldmatrix: dict[str, int] = field(default_factory=dict)  # 'x4', 'x2.trans' -> ldmatrix instructions
     tf32_round: int = 0  # cvt.rna/.rn.tf32.f32: an f32 rounded to tf32 (3xTF32 splits each operand with it)
+    # tensor -> cp.async.bulk.prefetch.L2 instructions: bytes asked of L2 for later loads, landing nowhere
+    l2_prefetch: dict[str, int] = field(default_factory=dict)
 
     @property
     def spill_bytes(self) -> int:
@@ -126,6 +128,7 @@ def take_census(compiled: Compiled) -> Census:
     ldmatrix: Counter = Counter()
     cp_async: Counter = Counter()
     waits: Counter = Counter()
+    prefetches: Counter = Counter()
     for raw in compiled.ptx.splitlines():
         # an inline-asm block holds several instructions on one line: conversions are counted wherever they are
         counts["half_widen"] += len(_HALF_WIDEN.findall(raw)) + 2 * len(_BF16_PAIR_WIDEN.findall(raw))
@@ -150,6 +153,8 @@ def take_census(compiled: Compiled) -> Census:
                 passes.setdefault(tag.split(".")[0], set()).add(_pass(tag))
         elif head in ("ld", "st") and "shared" in parts:
             counts["shared_loads" if head == "ld" else "shared_stores"] += 1
+        elif opcode.startswith("cp.async.bulk.prefetch.L2"):
+            prefetches[tag.split(".")[0]] += 1
         elif opcode.startswith("cp.async.commit_group"):
             counts["commit_groups"] += 1
         elif opcode.startswith("cp.async.wait_group"):
@@ -173,4 +178,5 @@ def take_census(compiled: Compiled) -> Census:
         shfl_sync=counts["shfl_sync"], rsqrt_approx=counts["rsqrt_approx"],
         half_widen=counts["half_widen"], half_narrow=counts["half_narrow"],
         mma=dict(sorted(mma.items())), ldmatrix=dict(sorted(ldmatrix.items())), tf32_round=counts["tf32_round"],
+        l2_prefetch=dict(sorted(prefetches.items())),
     )

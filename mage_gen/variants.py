@@ -28,18 +28,20 @@ class Variant:
     census: Census
 
 
-def check_op_arch(op: Op, arch: str, shape: Any = None) -> str:
-    """The arch, where NVRTC builds for it and the op's templates (for this shape, where given) can use it."""
+def check_op_arch(op: Op, arch: str, shape: Any = None, params: Any = None) -> str:
+    """The arch, where NVRTC builds for it and the op's templates (for this shape and params, where given) can
+    use it."""
     check_arch(arch)
-    needed = op.min_arch if shape is None else op.min_arch_of(shape)
+    needed = op.min_arch if shape is None else op.min_arch_of(shape, params)
     if int(re.sub(r"\D", "", arch)) < needed:
-        what = op.name if shape is None or needed == op.min_arch else f"{op.name} {op.slug(shape)}"
+        what = (op.name if shape is None or needed == op.min_arch else f"{op.name} {op.slug(shape)}"
+                if params is None or needed == op.min_arch_of(shape) else op.kernel_name(shape, params))
         raise ConfigError(f"arch: {what} needs sm_{needed} or newer, got {arch}; choose another --arch")
     return arch
 
 
 def build(op: Op, shape: Any, params: Any, arch: str) -> Variant:
-    check_op_arch(op, arch, shape)
+    check_op_arch(op, arch, shape, params)
     source = op.source(shape, params)  # validates first: a rejected config never reaches NVRTC
     compiled = compile_source(source, arch)
     return Variant(params=params, source=source, compiled=compiled, census=take_census(compiled))

@@ -25,6 +25,10 @@ CASES = [
     (LN, dict(d=8192, dtype="bf16"), {"threads": 256, "vector": 16, "stats": "shifted", "min_blocks": 4}),
     (LN, dict(d=1002, dtype="fp16", residual=True), {"template": "multirow", "threads": 128, "vector": 8,
                                                      "rows_per_block": 2, "stats": "shifted", "grid_cap": 528}),
+    # each block asks L2 for a later block's rows (1 KB on: the next few blocks, past the end at the last ones)
+    (RMS, dict(d=8192, dtype="bf16"), {"threads": 512, "vector": 16, "min_blocks": 4, "l2_ahead": 2048}),
+    (LN, dict(d=768, dtype="bf16", residual=True), {"template": "multirow", "threads": 32, "vector": 16,
+                                                    "rows_per_block": 2, "l2_ahead": 1}),
     # rows too wide for registers, at few rows: the gate's float64 reference is computed on the host
     (LN, dict(d=131074, dtype="bf16", residual=True), {"template": "wide", "threads": 512, "vector": 16, "m": 37}),
     (RMS, dict(d=100002, dtype="fp16", weight_dtype="fp32"), {"template": "wide", "threads": 1024, "vector": 8,

@@ -82,6 +82,7 @@ def check_built(d: int, v) -> None:
     if params.template != "wide" and warps_per_row > 1:
         expected = 2 if params.stats == "two_pass" else 1
         assert c.bar_sync == expected, "one barrier per row-wide reduction"
+    assert c.l2_prefetch == ({"x": 1} if params.l2_ahead else {})
     if params.grid_cap:  # the next rows' loads are in the code beside the current rows'
         assert body_loads == 2 * OP._slots(shape, params)
     assert launch.grid[0] == (min(-(-37 // params.rows_per_block), params.grid_cap) if params.grid_cap
@@ -121,19 +122,19 @@ def test_every_quick_preset_variant_compiles_as_asked(d, every):
         check_built(d, v)
 
 
-def test_a_47th_of_the_full_preset_at_d768_beyond_quick_compiles_as_asked():
-    # Every ninth config of the full preset that quick does not hold (quick's are all checked above): the
+def test_a_113th_of_the_full_preset_at_d768_beyond_quick_compiles_as_asked():
+    # Every 113th config of the full preset that quick does not hold (quick's are all checked above): the
     # register rule is held to ptxas across templates, widths and block sizes without 1,000 compiles (every
     # value of every axis stays in the sample).
     shape = OP.shape(d=768)
     valid, rejected = expand(OP, shape, load_space(OP, "full"))
     assert len(valid) > 1000 and rejected
     quick = set(expand(OP, shape, load_space(OP, "quick"))[0])
-    sample = [p for p in valid if p not in quick][::47]  # odd: the last axis alternates
+    sample = [p for p in valid if p not in quick][::113]  # odd: the last two axes cycle through their values
     built = build_all(OP, shape, sample, "sm_90")
     assert [v.params for v in built] == sample and len(sample) > 100
     for axis in ("template", "threads", "vector", "rows_per_block", "rsqrt", "hint", "stats", "grid_cap", "weights",
-                 "min_blocks"):
+                 "min_blocks", "l2_ahead"):
         assert {getattr(p, axis) for p in sample} == {getattr(p, axis) for p in valid if p not in quick}, axis
     for v in built:
         check_built(768, v)

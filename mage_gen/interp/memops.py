@@ -121,6 +121,8 @@ def _cp_async(dec: Decoder, st, parts):
             w.cp_commit(mask)
             w.cp_wait(0, mask, what)
         return wait_all
+    if q[:4] == ["bulk", "prefetch", "L2", "global"]:
+        return _prefetch_l2(dec, st, q[4:])
     if q[0] not in ("ca", "cg") or len(q) < 3 or q[1] not in ("shared", "shared::cta") or q[2] != "global":
         raise UnknownInstruction("cp.async form not implemented")
     extra = [p for p in q[3:] if not re.match(r"L2::(64B|128B|256B)$", p)]
@@ -142,6 +144,25 @@ def _cp_async(dec: Decoder, st, parts):
         src = np.broadcast_to(sbase(r) + soff, (LANES,))[sel]
         ssz = None if src_size is None else np.broadcast_to(src_size(r), (LANES,))[sel]
         w.cp_issue(dst, src, size, ssz, sel, what)
+    return fn
+
+
+def _prefetch_l2(dec: Decoder, st, extra: list[str]):
+    """cp.async.bulk.prefetch.L2.global [addr], size: no value moves, so it only has to ask for bytes that exist.
+    A GPU may drop a prefetch of unmapped memory or fault on it; here every byte asked must lie in one argument
+    buffer, from a 16-byte-aligned address, in whole 16-byte units."""
+    if extra or len(st.operands) != 2:
+        raise UnknownInstruction("cp.async.bulk.prefetch.L2 with a cache hint not implemented")
+    base, off = dec.address(st.operands[0])
+    size = dec.src(st.operands[1], np.uint32)
+    what = f"line {st.line}: {st.text}"
+
+    def fn(w, mask):
+        r = w.r
+        sel = w.active(mask)
+        addr = np.broadcast_to(base(r) + off, (LANES,))[sel]
+        sizes = np.broadcast_to(size(r), (LANES,))[sel].astype(np.int64)
+        w.prefetch_l2(addr, sizes, sel, what)
     return fn
 
 

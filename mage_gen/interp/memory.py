@@ -67,6 +67,10 @@ class Global:
                 return f" (argument buffer {i} spans {s:#x}..{e:#x})"
         return ""
 
+    def check_span(self, addr, nbytes: int, tids, describe: Describe, what: str) -> None:
+        """A MemoryFault unless each lane's nbytes from its address lie in one buffer, 16-byte aligned."""
+        self._index(addr, nbytes, tids, describe, what)
+
     def read(self, addr, nwords: int, tids, describe: Describe, what: str) -> np.ndarray:
         """(lanes, nwords) uint32 words at each lane's byte address."""
         idx = self._index(addr, 4 * nwords, tids, describe, what)

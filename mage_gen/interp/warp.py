@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mage_gen.interp.errors import DivergenceError, InterpError, UnknownInstruction
+from mage_gen.interp.errors import DivergenceError, InterpError, MemoryFault, UnknownInstruction
 from mage_gen.interp.memory import NONE, SHARED_GENERIC_BASE
 from mage_gen.interp.program import BAR, BRA, LANES, OP, view
 
@@ -106,6 +106,15 @@ class Warp:
                 b.glob.write(a, v, tids, b.describe, what, tids + b.first_tid)
             else:
                 b.shared.write(b.shared.index(a, v.shape[1], tids, b.describe, what), tids, v, b.describe, what)
+
+    def prefetch_l2(self, addr, sizes: np.ndarray, sel, what: str) -> None:
+        b = self.block
+        tids = self.tids[sel]
+        for size in np.unique(sizes).tolist():
+            lanes = sizes == size
+            if size <= 0 or size % 16:
+                raise MemoryFault(f"{what}: a bulk prefetch of {size} bytes (a positive multiple of 16 is asked)")
+            b.glob.check_span(addr[lanes], size, tids[lanes], b.describe, what)
 
     # ---- cp.async ----
     def cp_issue(self, dst, src, size: int, ssz, sel, what: str) -> None:

@@ -88,8 +88,8 @@ class TiledProduct:
     name: str
     min_arch: int
 
-    def min_arch_of(self, shape: Any) -> int:
-        """A product's sizes ask nothing of the arch beyond what its templates do."""
+    def min_arch_of(self, shape: Any, params: Any = None) -> int:
+        """A product's sizes and params ask nothing of the arch beyond what its templates do."""
         return self.min_arch
 
     def shared_bytes(self, shape: Any, p: Any) -> int:
@@ -132,7 +132,8 @@ class Op(Protocol):
     min_arch: int  # oldest sm_XY its templates build for, as XY (matmul's cp.async needs 80)
 
     def shape(self, **dims: Any) -> Any: ...
-    def min_arch_of(self, shape: Any) -> int: ...  # min_arch, or newer where the shape needs more (16-bit rows)
+    # min_arch, or newer where the shape (16-bit rows) or the params (an sm_90 instruction) need more
+    def min_arch_of(self, shape: Any, params: Any = None) -> int: ...
     def args(self, shape: Any) -> tuple[Arg, ...]: ...  # the kernel's parameters, pointers first
     def output_dtypes(self, shape: Any) -> dict[str, DType]: ...
     def tolerance_of(self, shape: Any, output: str, dtype: DType) -> float: ...  # the gate's bound

@@ -94,11 +94,16 @@ class Params:
     # float: the row held in registers as floats; packed: a 16-bit row held as loaded, two elements to a
     # register, widened again for each pass over it (half the registers, so more rows in flight per SM)
     hold: str = "float"
+    # KB of rows ahead: each block of a one-group-per-block grid, as it starts, asks L2 (one bulk prefetch, sm_90)
+    # for the rows of the block that many KB of x further on, so that DRAM has requests queued while the blocks
+    # on the SMs reduce the rows they hold (bench/NOTES.md, norms §13); 0: none
+    l2_ahead: int = 0
 
     def label(self) -> str:
         extra = ((f" {self.stats}" if self.stats != "two_pass" else "") + (f" grid≤{self.grid_cap}" if self.grid_cap else "")
                  + (" w-early" if self.weights == "early" else "") + (f" B≥{self.min_blocks}" if self.min_blocks > 1 else "")
-                 + (" held-packed" if self.hold == "packed" else ""))
+                 + (" held-packed" if self.hold == "packed" else "")
+                 + (f" L2+{self.l2_ahead}K" if self.l2_ahead else ""))
         return (f"{self.template} T{self.threads} V{self.vector}B R{self.rows_per_block} "
                 f"{self.rsqrt} {self.hint}{extra}")
 
@@ -145,9 +150,12 @@ class LayerNorm:
                               f"even, got {d}; pad the rows to {d + 1}")
         return Shape(d, act.name, weight.name, residual)
 
-    def min_arch_of(self, shape: Shape) -> int:
-        """Packed 16-bit conversions (cvt.rn.bf16x2.f32, cvt.f32.bf16) need sm_80."""
+    def min_arch_of(self, shape: Shape, params: Params | None = None) -> int:
+        """Packed 16-bit conversions (cvt.rn.bf16x2.f32, cvt.f32.bf16) need sm_80; the bulk L2 prefetch
+        (l2_ahead) sm_90."""
         act, weight = element_type(shape.dtype), element_type(shape.weight_dtype)
+        if params is not None and params.l2_ahead:
+            return 90
         return 80 if act.half or weight.half else self.min_arch
 
     def args(self, shape: Shape) -> tuple[Arg, ...]:
@@ -231,6 +239,14 @@ class LayerNorm:
         if p.weights == "early" and d % v:
             raise ConfigError(f"weights: early weights need every row's vectors at the same columns, so vector "
                               f"({v} elements) must divide d={d}; use weights late or a narrower vector")
+        if not isinstance(p.l2_ahead, int) or p.l2_ahead < 0:
+            raise ConfigError(f"l2-ahead: l2_ahead is KB of rows ahead (0: none), got {p.l2_ahead!r}")
+        if p.l2_ahead and (p.template == "wide" or p.grid_cap):
+            raise ConfigError("l2-ahead: only a grid of one row group per block (template row or multirow, grid_cap 0) "
+                              "asks L2 for a later block's rows; leave l2_ahead at 0")
+        if p.l2_ahead and d * act.itemsize % 16:
+            raise ConfigError(f"l2-ahead: a bulk prefetch moves whole 16-byte units from 16-byte-aligned rows, and a "
+                              f"row of d={d} {act.short} is {d * act.itemsize} bytes; leave l2_ahead at 0")
         r = p.rows_per_block
         if p.template == "multirow":
             if not isinstance(r, int) or r < 2:
@@ -287,7 +303,8 @@ class LayerNorm:
         return (f"layernorm_{p.template}_d{shape.d}{self._type_tag(shape)}_t{p.threads}_v{self._elements(shape, p)}_r{p.rows_per_block}"
                 f"_{p.rsqrt}_{p.hint}" + {"two_pass": "", "one_pass": "_onepass", "shifted": "_shift"}[p.stats]
                 + (f"_g{p.grid_cap}" if p.grid_cap else "") + ("_wearly" if p.weights == "early" else "")
-                + (f"_b{p.min_blocks}" if p.min_blocks > 1 else "") + ("_hpack" if p.hold == "packed" else ""))
+                + (f"_b{p.min_blocks}" if p.min_blocks > 1 else "") + ("_hpack" if p.hold == "packed" else "")
+                + (f"_ahead{p.l2_ahead}k" if p.l2_ahead else ""))
 
     def _type_tag(self, shape: Shape) -> str:
         """'' for fp32 without residual (the names of every kernel tuned before dtypes), else e.g. _bf16_wf32_res."""
@@ -312,6 +329,9 @@ class LayerNorm:
             HOLD_PACKED=p.hold == "packed", HELD_TYPE="unsigned" if p.hold == "packed" else "float",
             HELD_WORDS=v // 2 if p.hold == "packed" else v, HELD_ZERO="0u" if p.hold == "packed" else "0.f",
             MIN_BLOCKS=p.min_blocks, WB_EARLY=p.weights == "early", WB_TENSORS=self._weight_tensors(), WB_RAW=v // (2 if weight.half else 1),
+            L2_AHEAD=p.l2_ahead > 0, ROW_BYTES=d * act.itemsize,
+            # whole row groups, at least the next one
+            L2_AHEAD_GROUPS=max(1, (p.l2_ahead << 10) // (r * d * act.itemsize)),
         )
 
     def source(self, shape: Shape, p: Params) -> Source:
@@ -428,6 +448,8 @@ class LayerNorm:
         # The rows move V elements per access, and where V does not divide d each row's head is worked out from
         # the row index alone: every row tensor's base pointer is assumed V-element aligned.
         rows = act.itemsize * ctx["V"]
+        if p.l2_ahead:  # the bulk prefetch of a later block's rows starts at a row, in 16-byte units
+            rows = max(rows, 16)
         # w and b are read V elements at a time only where every row's vector body starts at column 0; else a
         # unit (one fp32, or two 16-bit elements) at a time.
         # (at most 16: fp32 weights beside 8 bf16 elements are two 16-byte loads)

@@ -1,0 +1,92 @@
+"""l2_ahead: a norm block asks L2 for a later block's rows (cp.async.bulk.prefetch.L2), on the CPU: the interpreter runs
+it and holds every byte asked to the kernel's buffers, the census counts it, the op refuses what it cannot serve."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from mage_gen import interp
+from mage_gen.census import take_census
+from mage_gen.compile import compile_source
+from mage_gen.errors import ConfigError
+from mage_gen.ops import get_op
+from mage_gen.variants import Variant, build
+
+ARCH = "sm_90"
+
+
+def ahead(op, template="row", rows=1, kb=1, **extra):
+    return op.params_from_dict({"template": template, "threads": 32, "vector": 16, "rows_per_block": rows,
+                                "l2_ahead": kb, **extra})
+
+
+@pytest.mark.parametrize("op_name", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("template,rows", [("row", 1), ("multirow", 2)])
+def test_a_block_asks_l2_for_a_later_blocks_rows_and_the_output_is_unchanged(op_name, residual, template, rows):
+    op = get_op(op_name)
+    shape = op.shape(d=256, dtype="bf16", residual=residual)
+    variant = build(op, shape, ahead(op, template, rows), ARCH)
+    assert variant.census.l2_prefetch == {"x": 1, **({"residual": 1} if residual else {})}
+    assert variant.source.kernel_name.endswith("_ahead1k")
+    # 1 KB is two rows of 512 bytes: the block two groups on (one for a block of two rows) at 1 row, at a part-filled
+    # last group and past the end
+    for m in (1, 5, 9):
+        result = interp.gate(op, shape, variant, {"m": m}, np.random.default_rng(m))
+        assert result.passed, result.reason
+
+
+def test_a_prefetch_past_the_last_row_is_a_fault():
+    op = get_op("rmsnorm")
+    shape = op.shape(d=256, dtype="bf16")
+    clean = build(op, shape, ahead(op), ARCH)
+    assert clean.source.text.count("if (ahead < M) {") == 1
+    source = dataclasses.replace(clean.source, text=clean.source.text.replace("if (ahead < M) {", "if (true) {"))
+    compiled = compile_source(source, ARCH)
+    planted = Variant(clean.params, source, compiled, take_census(compiled))
+    result = interp.gate(op, shape, planted, {"m": 5}, np.random.default_rng(0))
+    assert not result.passed and "prefetch.L2" in result.reason and "outside every buffer" in result.reason
+
+
+def test_off_by_default_and_the_kernel_text_without_it_is_the_text_before_it():
+    op = get_op("layernorm")
+    shape = op.shape(d=4096, dtype="bf16")
+    plain = op.source(shape, op.params_from_dict({"threads": 128}))
+    assert "prefetch" not in plain.text and "_ahead" not in plain.kernel_name
+    assert "l2_prefetch" in build(op, shape, op.params_from_dict({"threads": 128}), ARCH).census.to_dict()
+
+
+def test_the_distance_is_in_whole_row_groups_of_at_least_one():
+    op = get_op("layernorm")
+    shape = op.shape(d=8192, dtype="bf16")  # rows of 16 KB
+    assert op.context(shape, ahead(op, kb=2048))["L2_AHEAD_GROUPS"] == 128
+    assert op.context(shape, ahead(op, kb=8))["L2_AHEAD_GROUPS"] == 1
+    assert op.context(shape, ahead(op, "multirow", rows=2, kb=2048))["L2_AHEAD_GROUPS"] == 64
+
+
+@pytest.mark.parametrize("values,why", [
+    ({"template": "wide", "rows_per_block": 1}, "one row group per block"),
+    ({"grid_cap": 528}, "one row group per block"),
+    ({"l2_ahead": -1}, "KB of rows ahead"),
+])
+def test_what_cannot_ask_ahead_is_refused(values, why):
+    op = get_op("layernorm")
+    with pytest.raises(ConfigError, match=why):
+        op.validate(op.shape(d=4096, dtype="bf16"), dataclasses.replace(ahead(op), **values))
+
+
+def test_a_row_that_is_not_whole_16_byte_units_is_refused():
+    op = get_op("layernorm")
+    with pytest.raises(ConfigError, match="16-byte"):
+        op.validate(op.shape(d=772, dtype="bf16"), ahead(op, vector=8))
+
+
+def test_it_needs_sm_90_and_rows_aligned_for_it():
+    op = get_op("layernorm")
+    shape = op.shape(d=4096, dtype="bf16")
+    with pytest.raises(ConfigError, match="needs sm_90"):
+        build(op, shape, ahead(op), "sm_80")
+    narrow = ahead(op, vector=8)  # 8-byte accesses alone would need 8-byte-aligned rows
+    assert op.contract(shape, narrow)["tensors"]["x"]["alignment_bytes"] == 16
+    assert op.contract(shape, dataclasses.replace(narrow, l2_ahead=0))["tensors"]["x"]["alignment_bytes"] == 8
