@@ -719,8 +719,8 @@ def _tune_size_class(op: Op, shape: Any, run: dict[str, int], space: Any, replay
         named = stored_axes(op, shape, run, backend.device["name"], tuned)
         unrecorded = [axis for axis, values in space.axes if axis not in named and len(values) > 1]
         if unrecorded:
-            _log(f"  it was tuned before {', '.join(unrecorded)} existed: it is measured first at each of their values "
-                 "too")
+            _log(f"  it was tuned before {', '.join(unrecorded)} existed: it is also measured first at each value "
+                 f"of {'it' if len(unrecorded) == 1 else 'them'}")
     started: list[Any] = []
 
     def helpers(study: Any) -> Any:
