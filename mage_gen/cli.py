@@ -267,7 +267,7 @@ def variants(
                           weight_dtype=weight_dtype)
     check_op_arch(op, arch, shape)
     space = load_space(op, preset, shape)
-    valid, rejected = expand(op, shape, space)
+    valid, rejected = expand(op, shape, space, arch)
     if not valid:
         raise MageError(f"space: no config of preset {space.preset} is valid for {op.name} {shape_dict(shape)}; first "
                         f"rejection: {rejected[0][1] if rejected else 'none'}; try a wider --preset ({_PRESETS})")
@@ -518,12 +518,12 @@ def tune_command(
                         f"{storage or 'the default SQLite storage'}: SQLite is not safe for concurrent writers; "
                         "give --storage postgresql://USER@HOST/DB")
     space = load_space(op, preset, shape)
-    valid, rejected = expand(op, shape, space)
     replayed = ReplayBackend(replay) if replay else None  # a bad --replay file is its own one-line error
     try:
         device = replayed.device if replayed else _gpu_facts()
     except NoGpuError as exc:
         target = check_op_arch(op, arch or DEFAULT_ARCH, shape)
+        valid, rejected = expand(op, shape, space, target)
         with _compiling(len(valid), f"{op.name} {shape_dict(shape)} preset {space.preset} for {target}") as advance:
             build_all(op, shape, valid, target, progress=advance)
         raise NoGpuError(f"compiled and counted {len(valid)} valid variants ({len(rejected)} rejected) for "
@@ -630,7 +630,7 @@ def _join(storage: str, study_name: str, seed: int, replay: Path | None) -> None
         measured = measure(op, shape, space, backend, study, int(budget), identity["objective"], seed)
     finally:
         backend.close()
-    held = len(_finished(study, op, shape, _keys(op, expand(op, shape, space)[0])))
+    held = len(_finished(study, op, shape, _keys(op, expand(op, shape, space, identity["arch"])[0])))
     out.print(f"measured {measured} configs of study {study_name}; it holds {held} of its {budget}")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import re
 import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -62,8 +63,10 @@ def load_space(op: Op, preset: str | None = None, shape: Any = None) -> Space:
     return Space(op=op.name, preset=preset, axes=tuple(fitted.items()))
 
 
-def expand(op: Op, shape: Any, space: Space) -> tuple[list[Any], list[tuple[Any, str]]]:
-    """Every combination of the space for this shape, split into valid params and (params, rule broken)."""
+def expand(op: Op, shape: Any, space: Space, arch: str | None = None) -> tuple[list[Any], list[tuple[Any, str]]]:
+    """Every combination of the space for this shape, split into valid params and (params, rule broken); with
+    arch, a config whose instructions that arch lacks (l2_ahead's sm_90 prefetch) is rejected too."""
+    target = int(re.sub(r"\D", "", arch)) if arch else None
     valid, rejected = [], []
     for values in space.combinations():
         params = op.params_from_dict(values)
@@ -71,6 +74,9 @@ def expand(op: Op, shape: Any, space: Space) -> tuple[list[Any], list[tuple[Any,
             op.validate(shape, params)
         except ConfigError as exc:
             rejected.append((params, str(exc)))
+            continue
+        if target is not None and (needed := op.min_arch_of(shape, params)) > target:
+            rejected.append((params, f"arch: {op.kernel_name(shape, params)} needs sm_{needed}, not {arch}"))
         else:
             valid.append(params)
     return valid, rejected

@@ -216,7 +216,7 @@ def tune(op: Op, shape: Any, run: dict[str, int], space: Space, backend: Backend
     values in the space is measured first too, the one new lever tried on the config that won without it."""
     if objective not in ("hot", "cold"):
         raise ConfigError(f"objective: must be 'hot' or 'cold', got {objective!r}")
-    valid, rejected = expand(op, shape, space)
+    valid, rejected = expand(op, shape, space, backend.arch)
     if not valid:
         raise ConfigError(f"space: no config of preset {space.preset} is valid for {op.name} {shape_dict(shape)}; "
                           f"first rejection: {rejected[0][1] if rejected else 'none'}; a wider preset "
@@ -326,7 +326,7 @@ def measure(op: Op, shape: Any, space: Space, backend: Backend, study: optuna.St
     measured by the worker whose trial claimed it first (the lowest trial number among the running ones).
     drain: once the rest is claimed, wait for those claims to finish (or fail, their worker dead, and be
     retried) instead of returning."""
-    valid, _ = expand(op, shape, space)
+    valid, _ = expand(op, shape, space, backend.arch)
     valid_keys = _keys(op, valid)
     exhaustive = len(valid) <= EXHAUSTIVE_LIMIT
     distributions = {axis: optuna.distributions.CategoricalDistribution(values) for axis, values in space.axes}

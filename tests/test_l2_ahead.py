@@ -90,3 +90,16 @@ def test_it_needs_sm_90_and_rows_aligned_for_it():
     narrow = ahead(op, vector=8)  # 8-byte accesses alone would need 8-byte-aligned rows
     assert op.contract(shape, narrow)["tensors"]["x"]["alignment_bytes"] == 16
     assert op.contract(shape, dataclasses.replace(narrow, l2_ahead=0))["tensors"]["x"]["alignment_bytes"] == 8
+
+
+def test_a_space_expanded_for_an_older_arch_leaves_it_out():
+    from mage_gen.space import expand, load_space
+
+    op = get_op("layernorm")
+    shape = op.shape(d=4096, dtype="bf16")
+    space = load_space(op, "short", shape)
+    for_90, _ = expand(op, shape, space, "sm_90")
+    for_80, rejected = expand(op, shape, space, "sm_80")
+    assert any(p.l2_ahead for p in for_90)
+    assert for_80 == [p for p in for_90 if not p.l2_ahead]
+    assert any("needs sm_90, not sm_80" in why for _, why in rejected)
