@@ -25,7 +25,7 @@ from mage_gen.variants import Variant, build
 
 LAUNCH_FORMAT = 2
 _C_TYPES = {"i32": "int", "f32": "float"}
-DEFAULT_SHARED_LIMIT = 48 * 1024  # dynamic shared memory a function may use before it opts in to more
+DEFAULT_SHARED_LIMIT = 48 * 1024  # shared memory, static and dynamic, a function may use before it opts in to more
 _C_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -105,7 +105,7 @@ def _launch_doc(op: Op, shape: Any, variant: Variant, provenance: dict[str, Any]
         "kernel": source.kernel_name,
         "arch": variant.compiled.arch,
         "launch": launch,
-        "dynamic_shared_memory": _dynamic_shared(launch["dynamic_shared_bytes"]),
+        "dynamic_shared_memory": _dynamic_shared(launch["dynamic_shared_bytes"], variant.census.shared_bytes),
         "args": [{"name": a.name, "type": _c_type(a)} for a in op.args(shape)],
         "contract": contract,
         "size_classes": size_classes,
@@ -120,8 +120,13 @@ def _launch_doc(op: Op, shape: Any, variant: Variant, provenance: dict[str, Any]
     }
 
 
-def _dynamic_shared(nbytes: int) -> dict[str, Any]:
-    doc: dict[str, Any] = {"bytes": nbytes, "opt_in_required": nbytes > DEFAULT_SHARED_LIMIT}
+def _needs_opt_in(dynamic: int, static: int) -> bool:
+    """Static and dynamic shared memory together over 48 KB fail to launch until the dynamic limit is raised."""
+    return dynamic > 0 and static + dynamic > DEFAULT_SHARED_LIMIT
+
+
+def _dynamic_shared(nbytes: int, static: int) -> dict[str, Any]:
+    doc: dict[str, Any] = {"bytes": nbytes, "opt_in_required": _needs_opt_in(nbytes, static)}
     if doc["opt_in_required"]:
         doc["how"] = (f"cuFuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, {nbytes}) "
                       "before the first launch")
@@ -139,7 +144,7 @@ def _c_header(op: Op, shape: Any, variant: Variant, stem: str, provenance: list[
     return environment().get_template("emit/launch.h.j2").render(
         stem=stem, kernel=variant.source.kernel_name, arch=variant.compiled.arch, provenance=provenance,
         contract=contract, args=[(a.name, _c_type(a)) for a in op.args(shape)], grid=grid, block=launch["block"],
-        shared_bytes=shared, opt_in=shared > DEFAULT_SHARED_LIMIT, uses_min=any(f"{stem}_min(" in g for g in grid))
+        shared_bytes=shared, opt_in=_needs_opt_in(shared, variant.census.shared_bytes), uses_min=any(f"{stem}_min(" in g for g in grid))
 
 
 def _header(op: Op, shape: Any, variant: Variant, provenance: dict[str, Any] | None) -> list[str]:

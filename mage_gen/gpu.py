@@ -92,7 +92,12 @@ class Kernel:
         self.name = name
         self.module = _check(cu.cuModuleLoadData(cubin), f"cuModuleLoadData({name})")
         self.function = _check(cu.cuModuleGetFunction(self.module, name.encode()), f"cuModuleGetFunction({name})")
-        if dynamic_shared_bytes > 48 * 1024:
+        # Static and dynamic shared memory together over 48 KB fail to launch until the dynamic limit is raised
+        # (its default is 48 KB less the static part).
+        static = _check(cu.cuFuncGetAttribute(cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
+                                              self.function), f"cuFuncGetAttribute({name}, static shared)") \
+            if dynamic_shared_bytes else 0
+        if dynamic_shared_bytes and static + dynamic_shared_bytes > 48 * 1024:
             _check(cu.cuFuncSetAttribute(
                 self.function, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 dynamic_shared_bytes), f"cuFuncSetAttribute({name}, max dynamic shared)")

@@ -1,6 +1,7 @@
 """Emitted kernels: five files that stand alone, carry their provenance and build with plain nvcc; the C++
 header launches the kernel as its launch formula says."""
 
+import dataclasses
 import json
 import os
 import re
@@ -17,6 +18,7 @@ from mage_gen.emit import emit
 from mage_gen.errors import ConfigError, MageError
 from mage_gen.ops import get_op
 from mage_gen.ops.layernorm import Params
+from mage_gen import emit as emit_module
 from mage_gen.store import save_entry
 from mage_gen.variants import build
 
@@ -120,6 +122,18 @@ def test_launch_json_says_when_shared_memory_needs_an_opt_in(tmp_path, params, n
         assert shared["how"] == (f"cuFuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, {nbytes}) "
                                  "before the first launch")
     assert doc["contract"]["scalars"] == {} and doc["contract"]["tensors"]["A"]["shape"] == [1024, 1024]
+
+
+def test_static_shared_memory_counts_towards_the_opt_in(tmp_path, monkeypatch):
+    # 33792 B dynamic alone fits the 48 KB; with 16 KB of static shared memory beside it, a launch needs the opt-in
+    real = build(MM, MM_SHAPE, MM.params_type(), "sm_90")
+    static = dataclasses.replace(real, census=dataclasses.replace(real.census, shared_bytes=16384))
+    monkeypatch.setattr(emit_module, "build", lambda *args: static)
+    emit(MM, MM_SHAPE, MM.params_type(), "sm_90", tmp_path, None)
+    doc = json.loads((tmp_path / "matmul_m1024_n1024_k1024.launch.json").read_text())
+    assert doc["dynamic_shared_memory"]["opt_in_required"] is True
+    header = (tmp_path / "matmul_m1024_n1024_k1024.h").read_text()
+    assert "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, 33792" in header
 
 
 @pytest.mark.parametrize("d, params, rows, columns", [
