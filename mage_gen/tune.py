@@ -184,7 +184,7 @@ def _open_study(name: str, storage: str, sampler: optuna.samplers.BaseSampler, i
 def _journal_ahead(storage: optuna.storages.RDBStorage) -> None:
     """A SQLite file's journal written ahead (WAL), synced at checkpoints only, from the next connection on.
     Optuna commits each param of each proposal, a hundred commits a trial, and with SQLite's defaults every one
-    waits for the disk: on a 2-core host with a slow disk, 96 instant trials took 46.8 s of bookkeeping, 19.5 s
+    waits for the disk: on a 2-core host with a slow disk, 96 instant trials took 46.8 s of bookkeeping, 18.3 s
     so. A finished trial still outlives the process; only a power cut can take the last commits, never the file."""
     import sqlalchemy
 
