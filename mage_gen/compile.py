@@ -57,6 +57,11 @@ def check_arch(arch: str) -> str:
     return arch
 
 
+def arch_number(arch: str) -> int:
+    """sm_90 (or sm_90a) as 90, to compare with an op's oldest arch."""
+    return int(re.sub(r"\D", "", arch))
+
+
 def options(arch: str, fmad: bool = True) -> list[str]:
     # -Xptxas=-v puts registers, shared memory, stack and spills into the log for the census. fmad=False
     # writes every float add and multiply with its rounding (add.rn, mul.rn) so that ptxas may not fuse them:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import itertools
 import math
 import random
-import re
 import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mage_gen.compile import arch_number
 from mage_gen.errors import ConfigError
 from mage_gen.ops import Op
 from mage_gen.resources import data_dir
@@ -66,7 +66,7 @@ def load_space(op: Op, preset: str | None = None, shape: Any = None) -> Space:
 def expand(op: Op, shape: Any, space: Space, arch: str | None = None) -> tuple[list[Any], list[tuple[Any, str]]]:
     """Every combination of the space for this shape, split into valid params and (params, rule broken); with
     arch, a config whose instructions that arch lacks (l2_ahead's sm_90 prefetch) is rejected too."""
-    target = int(re.sub(r"\D", "", arch)) if arch else None
+    target = arch_number(arch) if arch else None
     valid, rejected = [], []
     for values in space.combinations():
         params = op.params_from_dict(values)

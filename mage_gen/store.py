@@ -173,10 +173,14 @@ def shape_entries(op: Op, shape: Any, gpu_name: str, directory: Path | None = No
             if key == prefix or key.startswith(prefix + "/")}
 
 
+def _class_entry(op: Op, shape: Any, run: dict[str, int], gpu_name: str, directory: Path | None) -> dict | None:
+    return shape_entries(op, shape, gpu_name, directory).get(entry_key(op, shape, run))
+
+
 def stored_params(op: Op, shape: Any, run: dict[str, int], gpu_name: str, directory: Path | None = None) -> Any:
     """The params of this size class's stored winner, or None where none is stored or this mage-gen cannot
     build them; stale or not (a retune starts from them whatever their kernel text is now)."""
-    entry = shape_entries(op, shape, gpu_name, directory).get(entry_key(op, shape, run))
+    entry = _class_entry(op, shape, run, gpu_name, directory)
     try:
         return op.params_from_dict(entry["params"]) if entry else None
     except (ConfigError, KeyError, TypeError):
@@ -185,7 +189,7 @@ def stored_params(op: Op, shape: Any, run: dict[str, int], gpu_name: str, direct
 
 def stored_axes(op: Op, shape: Any, run: dict[str, int], gpu_name: str, directory: Path | None = None) -> set[str]:
     """The params this size class's stored winner names: an entry tuned before an axis existed lacks it."""
-    entry = shape_entries(op, shape, gpu_name, directory).get(entry_key(op, shape, run))
+    entry = _class_entry(op, shape, run, gpu_name, directory)
     params = entry.get("params") if entry else None
     return set(params) if isinstance(params, dict) else set()
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
-import re
 import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -14,7 +13,7 @@ from multiprocessing import forkserver, resource_tracker
 from typing import Any
 
 from mage_gen.census import Census, take_census
-from mage_gen.compile import Compiled, check_arch, compile_source
+from mage_gen.compile import Compiled, arch_number, check_arch, compile_source
 from mage_gen.errors import CompileError, ConfigError
 from mage_gen.ops import Op
 from mage_gen.render import Source
@@ -33,7 +32,7 @@ def check_op_arch(op: Op, arch: str, shape: Any = None, params: Any = None) -> s
     use it."""
     check_arch(arch)
     needed = op.min_arch if shape is None else op.min_arch_of(shape, params)
-    if int(re.sub(r"\D", "", arch)) < needed:
+    if arch_number(arch) < needed:
         what = (op.name if shape is None or needed == op.min_arch else f"{op.name} {op.slug(shape)}"
                 if params is None or needed == op.min_arch_of(shape) else op.kernel_name(shape, params))
         raise ConfigError(f"arch: {what} needs sm_{needed} or newer, got {arch}; choose another --arch")
