@@ -54,6 +54,12 @@ class Census:
     tf32_round: int = 0  # cvt.rna/.rn.tf32.f32: an f32 rounded to tf32 (3xTF32 splits each operand with it)
     # tensor -> cp.async.bulk.prefetch.L2 instructions: bytes asked of L2 for later loads, landing nowhere
     l2_prefetch: dict[str, int] = field(default_factory=dict)
+    # tensor -> those of them under a cache policy (.L2::cache_hint), and createpolicy instructions by the
+    # priority they give ('evict_last' -> 1)
+    l2_prefetch_hinted: dict[str, int] = field(default_factory=dict)
+    cache_policies: dict[str, int] = field(default_factory=dict)
+    # tensor -> applypriority instructions: lines given back normal priority once read
+    l2_released: dict[str, int] = field(default_factory=dict)
 
     @property
     def spill_bytes(self) -> int:
@@ -129,6 +135,9 @@ def take_census(compiled: Compiled) -> Census:
     cp_async: Counter = Counter()
     waits: Counter = Counter()
     prefetches: Counter = Counter()
+    hinted: Counter = Counter()
+    policies: Counter = Counter()
+    released: Counter = Counter()
     for raw in compiled.ptx.splitlines():
         # an inline-asm block holds several instructions on one line: conversions are counted wherever they are
         counts["half_widen"] += len(_HALF_WIDEN.findall(raw)) + 2 * len(_BF16_PAIR_WIDEN.findall(raw))
@@ -155,6 +164,12 @@ def take_census(compiled: Compiled) -> Census:
             counts["shared_loads" if head == "ld" else "shared_stores"] += 1
         elif opcode.startswith("cp.async.bulk.prefetch.L2"):
             prefetches[tag.split(".")[0]] += 1
+            if "L2::cache_hint" in parts:
+                hinted[tag.split(".")[0]] += 1
+        elif head == "applypriority":
+            released[tag.split(".")[0]] += 1
+        elif head == "createpolicy":
+            policies[next((p.split("::")[1] for p in parts if p.startswith("L2::evict_")), "?")] += 1
         elif opcode.startswith("cp.async.commit_group"):
             counts["commit_groups"] += 1
         elif opcode.startswith("cp.async.wait_group"):
@@ -178,5 +193,6 @@ def take_census(compiled: Compiled) -> Census:
         shfl_sync=counts["shfl_sync"], rsqrt_approx=counts["rsqrt_approx"],
         half_widen=counts["half_widen"], half_narrow=counts["half_narrow"],
         mma=dict(sorted(mma.items())), ldmatrix=dict(sorted(ldmatrix.items())), tf32_round=counts["tf32_round"],
-        l2_prefetch=dict(sorted(prefetches.items())),
+        l2_prefetch=dict(sorted(prefetches.items())), l2_prefetch_hinted=dict(sorted(hinted.items())),
+        cache_policies=dict(sorted(policies.items())), l2_released=dict(sorted(released.items())),
     )

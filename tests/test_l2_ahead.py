@@ -1,5 +1,6 @@
-"""l2_ahead: a norm block asks L2 for a later block's rows (cp.async.bulk.prefetch.L2), on the CPU: the interpreter runs
-it and holds every byte asked to the kernel's buffers, the census counts it, the op refuses what it cannot serve."""
+"""l2_ahead: a norm block asks L2 for a later block's rows (cp.async.bulk.prefetch.L2), at a chosen eviction priority,
+on the CPU: the interpreter runs it and holds every byte asked to the kernel's buffers and every policy to one
+createpolicy made, the census counts it, the op refuses what it cannot serve."""
 
 import dataclasses
 
@@ -37,15 +38,50 @@ def test_a_block_asks_l2_for_a_later_blocks_rows_and_the_output_is_unchanged(op_
         assert result.passed, result.reason
 
 
-def test_a_prefetch_past_the_last_row_is_a_fault():
-    op = get_op("rmsnorm")
+@pytest.mark.parametrize("op_name", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("d", [256, 1000])  # rows of 512 bytes, and of 2000: lines across two blocks' rows
+def test_rows_asked_at_evict_last_priority_then_released_and_the_output_is_unchanged(op_name, residual, d):
+    op = get_op(op_name)
+    shape = op.shape(d=d, dtype="bf16", residual=residual)
+    kept = build(op, shape, ahead(op, "multirow", 2, ahead_priority="last"), ARCH)
+    tensors = {"x": 1, **({"residual": 1} if residual else {})}
+    assert kept.census.l2_prefetch == kept.census.l2_prefetch_hinted == tensors
+    assert kept.census.cache_policies == {"evict_last": 1}
+    assert kept.census.l2_released == tensors  # and given back normal priority once read
+    assert kept.source.kernel_name.endswith("_ahead1k_evictlast")
+    normal = build(op, shape, ahead(op, "multirow", 2), ARCH)
+    assert normal.census.l2_prefetch_hinted == normal.census.cache_policies == normal.census.l2_released == {}
+    for m in (1, 5, 9):
+        result = interp.gate(op, shape, kept, {"m": m}, np.random.default_rng(m))
+        assert result.passed, result.reason
+
+
+def gate_planted(op_name: str, params: dict, old: str, new: str):
+    """The interpreter's gate (5 rows) of the kernel with `old`, found once in its text, replaced by `new`."""
+    op = get_op(op_name)
     shape = op.shape(d=256, dtype="bf16")
-    clean = build(op, shape, ahead(op), ARCH)
-    assert clean.source.text.count("if (ahead < M) {") == 1
-    source = dataclasses.replace(clean.source, text=clean.source.text.replace("if (ahead < M) {", "if (true) {"))
+    clean = build(op, shape, ahead(op, **params), ARCH)
+    assert clean.source.text.count(old) == 1
+    source = dataclasses.replace(clean.source, text=clean.source.text.replace(old, new))
     compiled = compile_source(source, ARCH)
     planted = Variant(clean.params, source, compiled, take_census(compiled))
-    result = interp.gate(op, shape, planted, {"m": 5}, np.random.default_rng(0))
+    return interp.gate(op, shape, planted, {"m": 5}, np.random.default_rng(0))
+
+
+def test_a_prefetch_under_a_value_no_createpolicy_made_is_refused():
+    result = gate_planted("rmsnorm", {"ahead_priority": "last"}, '"l"(ahead_policy) : "memory");',
+                          '"l"(ahead + 1) : "memory");')
+    assert not result.passed and "not a value createpolicy made" in result.reason
+
+
+def test_a_release_of_a_line_that_is_not_128_byte_aligned_is_a_fault():
+    result = gate_planted("layernorm", {"ahead_priority": "last"}, "+ threadIdx.x * 128ull;", "+ threadIdx.x * 64ull;")
+    assert not result.passed and "applypriority" in result.reason and "not 128-byte aligned" in result.reason
+
+
+def test_a_prefetch_past_the_last_row_is_a_fault():
+    result = gate_planted("rmsnorm", {}, "if (ahead < M) {", "if (true) {")
     assert not result.passed and "prefetch.L2" in result.reason and "outside every buffer" in result.reason
 
 
@@ -69,6 +105,8 @@ def test_the_distance_is_in_whole_row_groups_of_at_least_one():
     ({"template": "wide", "rows_per_block": 1}, "one row group per block"),
     ({"grid_cap": 528}, "one row group per block"),
     ({"l2_ahead": -1}, "KB of rows ahead"),
+    ({"l2_ahead": 0, "ahead_priority": "last"}, "l2_ahead is 0"),
+    ({"ahead_priority": "first"}, "ahead_priority must be one of"),
 ])
 def test_what_cannot_ask_ahead_is_refused(values, why):
     op = get_op("layernorm")

@@ -1,4 +1,5 @@
-"""Memory and warp-synchronous instructions: ld, st, cp.async (+ commit/wait), shfl.sync.
+"""Memory and warp-synchronous instructions: ld, st, cp.async (+ commit/wait), shfl.sync, and the L2 cache
+policies (createpolicy, applypriority), which move nothing.
 
 Loads and stores go through the warp (warp.load / warp.store), which picks global or shared memory
 by state space (or, for generic addresses, by which window the address falls in)."""
@@ -10,7 +11,7 @@ import re
 import numpy as np
 
 from mage_gen.interp.alu import TYPES, type_of
-from mage_gen.interp.errors import DivergenceError, UnknownInstruction
+from mage_gen.interp.errors import DivergenceError, InterpError, UnknownInstruction
 from mage_gen.interp.program import DTYPES, LANES, Decoder, parse_int
 
 _SPACES = {"global", "shared", "shared::cta", "param", "local", "const"}
@@ -148,22 +149,66 @@ def _cp_async(dec: Decoder, st, parts):
 
 
 def _prefetch_l2(dec: Decoder, st, extra: list[str]):
-    """cp.async.bulk.prefetch.L2.global [addr], size: no value moves, so it only has to ask for bytes that exist.
-    A GPU may drop a prefetch of unmapped memory or fault on it; here every byte asked must lie in one argument
-    buffer, from a 16-byte-aligned address, in whole 16-byte units."""
-    if extra or len(st.operands) != 2:
-        raise UnknownInstruction("cp.async.bulk.prefetch.L2 with a cache hint not implemented")
+    """cp.async.bulk.prefetch.L2.global[.L2::cache_hint] [addr], size[, policy]: no value moves, so it only has
+    to ask for bytes that exist, under a policy createpolicy made. A GPU may drop a prefetch of unmapped memory or
+    fault on it; here every byte asked must lie in one argument buffer, from a 16-byte-aligned address, in whole
+    16-byte units."""
+    hinted = extra == ["L2::cache_hint"]
+    if (extra and not hinted) or len(st.operands) != (3 if hinted else 2):
+        raise UnknownInstruction(f"cp.async.bulk.prefetch.L2 form {extra} with {len(st.operands)} operands not implemented")
     base, off = dec.address(st.operands[0])
     size = dec.src(st.operands[1], np.uint32)
+    policy = dec.src(st.operands[2], np.uint64) if hinted else None
     what = f"line {st.line}: {st.text}"
 
     def fn(w, mask):
         r = w.r
         sel = w.active(mask)
+        if policy is not None:
+            _check_policy(np.broadcast_to(policy(r), (LANES,))[sel], what)
         addr = np.broadcast_to(base(r) + off, (LANES,))[sel]
         sizes = np.broadcast_to(size(r), (LANES,))[sel].astype(np.int64)
         w.prefetch_l2(addr, sizes, sel, what)
     return fn
+
+
+# createpolicy's result is opaque: here a tag in the high bits, to tell a policy from any other value, and the
+# priority's index. The interpreter has no cache, so a policy changes nothing else.
+_POLICY_TAG = np.uint64(0xC0DE_0000_0000_0000)
+_POLICY_MASK = np.uint64(0xFFFF_0000_0000_0000)
+_PRIORITIES = ("L2::evict_last", "L2::evict_normal", "L2::evict_first", "L2::evict_unchanged")
+
+
+def _createpolicy(dec: Decoder, st, parts):
+    """createpolicy.fractional.L2::evict_*.b64 policy[, 1.0]: every access under it at that priority."""
+    if parts[1:2] != ["fractional"] or parts[-1] != "b64" or len(parts) != 4 or parts[2] not in _PRIORITIES:
+        raise UnknownInstruction("only createpolicy.fractional.L2::evict_*.b64 (one priority) is implemented")
+    if len(st.operands) not in (1, 2):
+        raise UnknownInstruction("createpolicy takes a destination and at most a fraction")
+    if len(st.operands) == 2 and st.operands[1].strip() not in ("1.0", "0f3F800000", "0d3FF0000000000000"):
+        raise UnknownInstruction("createpolicy of a fraction other than 1.0 not implemented")
+    d = dec.dst(st.operands[0])
+    value = _POLICY_TAG | np.uint64(_PRIORITIES.index(parts[2]))
+    return lambda w, m: w.put(d, np.full(LANES, value, np.uint64), m)
+
+
+def _applypriority(dec: Decoder, st, parts):
+    """applypriority.global.L2::evict_normal [addr], 128: no value moves; the line must be a whole 128-byte line,
+    aligned, of one argument buffer."""
+    if parts[1:] != ["global", "L2::evict_normal"] or len(st.operands) != 2 or parse_int(st.operands[1]) != 128:
+        raise UnknownInstruction("only applypriority.global.L2::evict_normal [a], 128 is implemented")
+    base, off = dec.address(st.operands[0])
+    what = f"line {st.line}: {st.text}"
+
+    def fn(w, mask):
+        sel = w.active(mask)
+        w.apply_priority(np.broadcast_to(base(w.r) + off, (LANES,))[sel], sel, what)
+    return fn
+
+
+def _check_policy(values: np.ndarray, what: str) -> None:
+    if np.any((values & _POLICY_MASK) != _POLICY_TAG):
+        raise InterpError(f"{what}: the cache policy operand is not a value createpolicy made")
 
 
 def _shfl(dec: Decoder, st, parts):
@@ -223,4 +268,5 @@ def _shfl(dec: Decoder, st, parts):
     return fn
 
 
-BUILDERS = {"ld": _ld, "st": _st, "cp": _cp_async, "shfl": _shfl}
+BUILDERS = {"ld": _ld, "st": _st, "cp": _cp_async, "shfl": _shfl, "createpolicy": _createpolicy,
+            "applypriority": _applypriority}

@@ -116,6 +116,14 @@ class Warp:
                 raise MemoryFault(f"{what}: a bulk prefetch of {size} bytes (a positive multiple of 16 is asked)")
             b.glob.check_span(addr[lanes], size, tids[lanes], b.describe, what)
 
+    def apply_priority(self, addr, sel, what: str) -> None:
+        b = self.block
+        tids = self.tids[sel]
+        if np.any(addr % 128):
+            raise MemoryFault(f"{what}: applypriority of a line at {int(addr[addr % 128 != 0][0]):#x}, "
+                              f"not 128-byte aligned")
+        b.glob.check_span(addr, 128, tids, b.describe, what)
+
     # ---- cp.async ----
     def cp_issue(self, dst, src, size: int, ssz, sel, what: str) -> None:
         b, sh = self.block, self.block.shared

@@ -46,6 +46,7 @@ STATS = ("two_pass", "one_pass", "shifted")
 HINTS = ("none", "nc", "stream")
 WEIGHTS = ("late", "early")
 HOLDS = ("float", "packed")
+AHEAD_PRIORITIES = ("normal", "last")
 MAX_D = 1 << 20
 # The kernels count rows and row groups in int: (M + R - 1) / R and a group's last row must not overflow.
 MAX_ROWS = 2**31 - 1024
@@ -98,12 +99,17 @@ class Params:
     # for the rows of the block that many KB of x further on, so that DRAM has requests queued while the blocks
     # on the SMs reduce the rows they hold (bench/NOTES.md, norms §13); 0: none
     l2_ahead: int = 0
+    # the L2 eviction priority of the lines asked ahead: normal, or last, so that the lines the blocks' own loads
+    # and stores bring in go first and the rows asked ahead are still in L2 when their block reads them; that
+    # block then gives them normal priority again, which a read does not (bench/NOTES.md, norms §14)
+    ahead_priority: str = "normal"
 
     def label(self) -> str:
         extra = ((f" {self.stats}" if self.stats != "two_pass" else "") + (f" grid≤{self.grid_cap}" if self.grid_cap else "")
                  + (" w-early" if self.weights == "early" else "") + (f" B≥{self.min_blocks}" if self.min_blocks > 1 else "")
                  + (" held-packed" if self.hold == "packed" else "")
-                 + (f" L2+{self.l2_ahead}K" if self.l2_ahead else ""))
+                 + (f" L2+{self.l2_ahead}K" if self.l2_ahead else "")
+                 + (f" evict-{self.ahead_priority}" if self.ahead_priority != "normal" else ""))
         return (f"{self.template} T{self.threads} V{self.vector}B R{self.rows_per_block} "
                 f"{self.rsqrt} {self.hint}{extra}")
 
@@ -244,6 +250,11 @@ class LayerNorm:
         if p.l2_ahead and (p.template == "wide" or p.grid_cap):
             raise ConfigError("l2-ahead: only a grid of one row group per block (template row or multirow, grid_cap 0) "
                               "asks L2 for a later block's rows; leave l2_ahead at 0")
+        if p.ahead_priority not in AHEAD_PRIORITIES:
+            raise ConfigError(f"ahead-priority: ahead_priority must be one of {AHEAD_PRIORITIES}, got {p.ahead_priority!r}")
+        if p.ahead_priority != "normal" and not p.l2_ahead:
+            raise ConfigError("ahead-priority: the priority is of the rows asked ahead, and l2_ahead is 0; "
+                              "leave ahead_priority at normal or set l2_ahead")
         if p.l2_ahead and d * act.itemsize % 16:
             raise ConfigError(f"l2-ahead: a bulk prefetch moves whole 16-byte units from 16-byte-aligned rows, and a "
                               f"row of d={d} {act.short} is {d * act.itemsize} bytes; leave l2_ahead at 0")
@@ -304,7 +315,8 @@ class LayerNorm:
                 f"_{p.rsqrt}_{p.hint}" + {"two_pass": "", "one_pass": "_onepass", "shifted": "_shift"}[p.stats]
                 + (f"_g{p.grid_cap}" if p.grid_cap else "") + ("_wearly" if p.weights == "early" else "")
                 + (f"_b{p.min_blocks}" if p.min_blocks > 1 else "") + ("_hpack" if p.hold == "packed" else "")
-                + (f"_ahead{p.l2_ahead}k" if p.l2_ahead else ""))
+                + (f"_ahead{p.l2_ahead}k" if p.l2_ahead else "")
+                + (f"_evict{p.ahead_priority}" if p.ahead_priority != "normal" else ""))
 
     def _type_tag(self, shape: Shape) -> str:
         """'' for fp32 without residual (the names of every kernel tuned before dtypes), else e.g. _bf16_wf32_res."""
@@ -330,6 +342,7 @@ class LayerNorm:
             HELD_WORDS=v // 2 if p.hold == "packed" else v, HELD_ZERO="0u" if p.hold == "packed" else "0.f",
             MIN_BLOCKS=p.min_blocks, WB_EARLY=p.weights == "early", WB_TENSORS=self._weight_tensors(), WB_RAW=v // (2 if weight.half else 1),
             L2_AHEAD=p.l2_ahead > 0, ROW_BYTES=d * act.itemsize,
+            L2_AHEAD_PRIORITY="" if p.ahead_priority == "normal" else p.ahead_priority,
             # whole row groups, at least the next one
             L2_AHEAD_GROUPS=max(1, (p.l2_ahead << 10) // (r * d * act.itemsize)),
         )
