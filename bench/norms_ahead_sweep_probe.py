@@ -19,6 +19,7 @@ from _beside_copy import time_beside_copy
 from _common import write_result
 
 from mage_gen import gpu
+from mage_gen.errors import ConfigError
 from mage_gen.ops import get_op
 from mage_gen.store import entry_key, shape_entries
 from mage_gen.variants import build
@@ -55,7 +56,7 @@ def probe(device, key: tuple, others: dict) -> dict:
     for name, params in configs.items():
         try:
             variants[name] = build(op, shape, params, device.arch)
-        except Exception as e:  # a config the op refuses is reported, not timed
+        except ConfigError as e:  # a config the op refuses is reported, not timed
             print(f"{label} {name}: {e}", flush=True)
     row = {"op": op_name, "residual": residual, "m": m, "d": d, "stored": entry["params"],
            "configs": {n: dataclasses.asdict(v.params) for n, v in variants.items()},
