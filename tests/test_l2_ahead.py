@@ -57,6 +57,33 @@ def test_rows_asked_at_evict_last_priority_then_released_and_the_output_is_uncha
         assert result.passed, result.reason
 
 
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("d", [256, 1000])
+def test_every_line_asked_for_at_evict_last_is_released_by_the_end_of_the_launch(residual, d):
+    op = get_op("layernorm")
+    shape = op.shape(d=d, dtype="bf16", residual=residual)
+    kept = build(op, shape, ahead(op, "multirow", 2, ahead_priority="last"), ARCH)
+    text = kept.source.text
+    start, end = text.index("    // This block's rows, read, back to normal priority"), text.rindex("}")
+    source = dataclasses.replace(kept.source, text=text[:start] + text[end:])
+    compiled = compile_source(source, ARCH)
+    unreleased = Variant(kept.params, source, compiled, take_census(compiled))
+    assert unreleased.census.l2_released == {}
+    for m in (5, 9):
+        inputs = op.make_inputs(shape, {"m": m}, np.random.default_rng(m))
+        stats = {name: interp.Stats() for name in ("kept", "unreleased")}
+        for name, variant in (("kept", kept), ("unreleased", unreleased)):
+            interp.launch_with(op, shape, variant, {"m": m}, inputs, stats[name])
+        assert stats["kept"].kept_lines == 0
+        # 1 KB ahead is the next group of two rows: every row after the first two is asked for, each of its lines
+        # (rows of 512 bytes are four whole lines; rows of 2000 bytes share lines)
+        rows_asked = (m - 2) * (2 if residual else 1)
+        if d == 256:
+            assert stats["unreleased"].kept_lines == rows_asked * 4
+        else:
+            assert stats["unreleased"].kept_lines > rows_asked * 15
+
+
 def gate_planted(op_name: str, params: dict, old: str, new: str):
     """The interpreter's gate (5 rows) of the kernel with `old`, found once in its text, replaced by `new`."""
     op = get_op(op_name)
@@ -78,6 +105,11 @@ def test_a_prefetch_under_a_value_no_createpolicy_made_is_refused():
 def test_a_release_of_a_line_that_is_not_128_byte_aligned_is_a_fault():
     result = gate_planted("layernorm", {"ahead_priority": "last"}, "+ threadIdx.x * 128ull;", "+ threadIdx.x * 64ull;")
     assert not result.passed and "applypriority" in result.reason and "not 128-byte aligned" in result.reason
+
+
+def test_a_release_of_a_line_with_no_byte_of_a_buffer_is_a_fault():
+    result = gate_planted("layernorm", {"ahead_priority": "last"}, "line_ < end_;", "line_ < end_ + 256;")
+    assert not result.passed and "applypriority" in result.reason and "no byte in any buffer" in result.reason
 
 
 def test_a_prefetch_past_the_last_row_is_a_fault():

@@ -8,14 +8,14 @@ from typing import Any
 import numpy as np
 
 from mage_gen.interp.errors import InterpError
-from mage_gen.interp.launch import run
+from mage_gen.interp.launch import Stats, run
 from mage_gen.measure import GateResult, compare_outputs, relative_error, widen
 
 
-def launch_with(op, shape: Any, variant: Any, run_sizes: dict[str, int], inputs: dict[str, np.ndarray]
-                ) -> dict[str, np.ndarray]:
-    """One launch on the given inputs into NaN-poisoned outputs, returned. Raises InterpError for what the
-    interpreter catches."""
+def launch_with(op, shape: Any, variant: Any, run_sizes: dict[str, int], inputs: dict[str, np.ndarray],
+                stats: Stats | None = None) -> dict[str, np.ndarray]:
+    """One launch on the given inputs into NaN-poisoned outputs, returned (counted into `stats` where given).
+    Raises InterpError for what the interpreter catches."""
     launch = op.geometry(shape, variant.params, run_sizes)
     dtypes = op.output_dtypes(shape)
     outputs = {name: np.full(s, dtypes[name].nan_bits & 0xFFFF, dtype=np.uint16).view(dtypes[name].storage)
@@ -33,7 +33,7 @@ def launch_with(op, shape: Any, variant: Any, run_sizes: dict[str, int], inputs:
         else:
             args.append(float(np.float32(scalars[arg.name])))
     run(variant.compiled.ptx, variant.source.kernel_name, launch.grid, launch.block, launch.dynamic_shared_bytes,
-        args)
+        args, stats)
     return outputs
 
 

@@ -23,6 +23,9 @@ class Stats:
     blocks: int = 0
     warp_steps: int = 0  # warp-instructions executed
     barriers: int = 0
+    # 128-byte lines of global memory asked of L2 under an evict-last policy and never given normal priority
+    # again: what a launch leaves in a GPU's L2 past its end (bench/NOTES.md, norms §14)
+    kept_lines: int = 0
 
 
 def _dim3(v) -> tuple[int, int, int]:
@@ -103,10 +106,11 @@ def _params(prog: Program, args: list) -> tuple[bytes, list[np.ndarray]]:
     return bytes(buf), glob
 
 
-def run(ptx: str, entry: str, grid, block, dynamic_shared: int, args: list) -> Stats:
+def run(ptx: str, entry: str, grid, block, dynamic_shared: int, args: list, stats: Stats | None = None) -> Stats:
     """Execute one launch of `entry`. args in PTX parameter order: numpy arrays for pointer parameters
     (C-contiguous; every array is copied back after the launch, so outputs land in place) and Python
-    ints/floats for scalars. Raises an InterpError subclass for anything undefined or unsupported."""
+    ints/floats for scalars. Raises an InterpError subclass for anything undefined or unsupported.
+    Counts into `stats` where given."""
     prog = decode(ptx, entry)
     grid, block = _dim3(grid), _dim3(block)
     if block[0] * block[1] * block[2] > 1024 or min(block) < 1 or min(grid) < 1:
@@ -114,7 +118,7 @@ def run(ptx: str, entry: str, grid, block, dynamic_shared: int, args: list) -> S
     params, glob = _params(prog, args)
     dyn_base = -(-prog.static_shared // prog.dynamic_align) * prog.dynamic_align
     shared_bytes = (dyn_base + dynamic_shared) if dynamic_shared else prog.static_shared
-    stats = Stats()
+    stats = Stats() if stats is None else stats
     n = block[0] * block[1] * block[2]
     glob.describe_owner = lambda owner: describe_thread(owner % n, block, _split3(owner // n, grid))
     with np.errstate(all="ignore"):
@@ -124,5 +128,6 @@ def run(ptx: str, entry: str, grid, block, dynamic_shared: int, args: list) -> S
                     Block(prog, glob, params, shared_bytes, (x, y, z), block, grid).run(stats)
                     stats.blocks += 1
     glob.copy_back()
+    stats.kept_lines += len(glob.kept)
     return stats
 

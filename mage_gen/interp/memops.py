@@ -164,11 +164,14 @@ def _prefetch_l2(dec: Decoder, st, extra: list[str]):
     def fn(w, mask):
         r = w.r
         sel = w.active(mask)
+        keep = False
         if policy is not None:
-            _check_policy(np.broadcast_to(policy(r), (LANES,))[sel], what)
+            values = np.broadcast_to(policy(r), (LANES,))[sel]
+            _check_policy(values, what)
+            keep = bool(np.any(values == _POLICY_TAG | np.uint64(_PRIORITIES.index("L2::evict_last"))))
         addr = np.broadcast_to(base(r) + off, (LANES,))[sel]
         sizes = np.broadcast_to(size(r), (LANES,))[sel].astype(np.int64)
-        w.prefetch_l2(addr, sizes, sel, what)
+        w.prefetch_l2(addr, sizes, sel, what, keep)
     return fn
 
 
@@ -193,8 +196,8 @@ def _createpolicy(dec: Decoder, st, parts):
 
 
 def _applypriority(dec: Decoder, st, parts):
-    """applypriority.global.L2::evict_normal [addr], 128: no value moves; the line must be a whole 128-byte line,
-    aligned, of one argument buffer."""
+    """applypriority.global.L2::evict_normal [addr], 128: no value moves; the line must be a 128-byte line,
+    aligned, that holds a byte of an argument buffer."""
     if parts[1:] != ["global", "L2::evict_normal"] or len(st.operands) != 2 or parse_int(st.operands[1]) != 128:
         raise UnknownInstruction("only applypriority.global.L2::evict_normal [a], 128 is implemented")
     base, off = dec.address(st.operands[0])

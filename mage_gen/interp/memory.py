@@ -38,6 +38,7 @@ class Global:
             self.words.view(np.uint8)[o:o + raw.size] = raw
         self.addresses = [int(s) for s in self.starts]
         self.writer: np.ndarray | None = None  # launch-wide thread that stored each word, +1 (0: none)
+        self.kept: set[int] = set()  # addresses of the 128-byte lines asked for at evict-last, not yet released
         self.describe_owner: Describe = str  # launch-wide thread id -> words (set by the launch)
 
     def copy_back(self) -> None:
@@ -66,6 +67,20 @@ class Global:
             if s - GAP_BYTES <= a < e + GAP_BYTES:
                 return f" (argument buffer {i} spans {s:#x}..{e:#x})"
         return ""
+
+    def check_line(self, addr, tids, describe: Describe, what: str) -> None:
+        """A MemoryFault unless each lane's address starts a 128-byte line (which lies in one page) that holds a
+        byte of some buffer: a cache operation on a line reaches no other memory than the line."""
+        addr = addr.astype(np.uint64, copy=False)
+        k = np.searchsorted(self.starts, addr + np.uint64(127), side="right") - 1
+        ok = (k >= 0) & (addr % np.uint64(128) == 0)
+        ok[ok] &= addr[ok] < self.ends[k[ok]]
+        if not ok.all():
+            bad = int(np.argmin(ok))
+            a = int(addr[bad])
+            why = "not 128-byte aligned" if a % 128 else "with no byte in any buffer"
+            raise MemoryFault(f"{what}: a line at global address {a:#x}, {why}, by {describe(int(tids[bad]))}"
+                              f"{self._nearest(a)}")
 
     def check_span(self, addr, nbytes: int, tids, describe: Describe, what: str) -> None:
         """A MemoryFault unless each lane's nbytes from its address lie in one buffer, 16-byte aligned."""

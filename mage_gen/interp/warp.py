@@ -107,7 +107,8 @@ class Warp:
             else:
                 b.shared.write(b.shared.index(a, v.shape[1], tids, b.describe, what), tids, v, b.describe, what)
 
-    def prefetch_l2(self, addr, sizes: np.ndarray, sel, what: str) -> None:
+    def prefetch_l2(self, addr, sizes: np.ndarray, sel, what: str, keep: bool = False) -> None:
+        """keep: under an evict-last policy, so every line the bytes touch is kept until released."""
         b = self.block
         tids = self.tids[sel]
         for size in np.unique(sizes).tolist():
@@ -115,14 +116,14 @@ class Warp:
             if size <= 0 or size % 16:
                 raise MemoryFault(f"{what}: a bulk prefetch of {size} bytes (a positive multiple of 16 is asked)")
             b.glob.check_span(addr[lanes], size, tids[lanes], b.describe, what)
+        if keep:
+            for a, size in zip(addr.tolist(), sizes.tolist()):
+                b.glob.kept.update(range(a // 128 * 128, a + size, 128))
 
     def apply_priority(self, addr, sel, what: str) -> None:
         b = self.block
-        tids = self.tids[sel]
-        if np.any(addr % 128):
-            raise MemoryFault(f"{what}: applypriority of a line at {int(addr[addr % 128 != 0][0]):#x}, "
-                              f"not 128-byte aligned")
-        b.glob.check_span(addr, 128, tids, b.describe, what)
+        b.glob.check_line(addr, self.tids[sel], b.describe, what)
+        b.glob.kept.difference_update(addr.tolist())
 
     # ---- cp.async ----
     def cp_issue(self, dst, src, size: int, ssz, sel, what: str) -> None:
