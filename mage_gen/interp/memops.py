@@ -176,7 +176,8 @@ def _prefetch_l2(dec: Decoder, st, extra: list[str]):
 
 
 # createpolicy's result is opaque: here a tag in the high bits, to tell a policy from any other value, and the
-# priority's index. The interpreter has no cache, so a policy changes nothing else.
+# priority's index. The interpreter has no cache: a policy changes only which lines a launch leaves kept at
+# evict-last (Stats.kept_lines).
 _POLICY_TAG = np.uint64(0xC0DE_0000_0000_0000)
 _POLICY_MASK = np.uint64(0xFFFF_0000_0000_0000)
 _PRIORITIES = ("L2::evict_last", "L2::evict_normal", "L2::evict_first", "L2::evict_unchanged")
