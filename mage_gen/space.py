@@ -7,7 +7,7 @@ import math
 import random
 import tomllib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +22,14 @@ class Space:
     op: str
     preset: str
     axes: tuple[tuple[str, tuple[Any, ...]], ...]  # ordered (name, values)
+    # configs a study measures first wherever the preset holds them, each as the (axis, value) pairs it names,
+    # every other axis at the op's default: the shapes of the peers' kernels, so that no search over a space
+    # that holds a peer's shape can miss it
+    first: tuple[tuple[tuple[str, Any], ...], ...] = ()
 
     def narrowed(self, **values: tuple[Any, ...]) -> Space:
         """The same space with some axes given fewer values."""
-        return Space(self.op, self.preset, tuple((name, tuple(values.get(name, v))) for name, v in self.axes))
+        return replace(self, axes=tuple((name, tuple(values.get(name, v))) for name, v in self.axes))
 
     def combinations(self) -> Iterator[dict[str, Any]]:
         names = [name for name, _ in self.axes]
@@ -60,7 +64,20 @@ def load_space(op: Op, preset: str | None = None, shape: Any = None) -> Space:
     fitted = {k: tuple(v) for k, v in axes.items()}
     if shape is not None:
         fitted = op.fit_space(shape, fitted)
-    return Space(op=op.name, preset=preset, axes=tuple(fitted.items()))
+    return Space(op=op.name, preset=preset, axes=tuple(fitted.items()), first=_first(path, spec))
+
+
+def _first(path: Path, spec: dict[str, Any]) -> tuple[tuple[tuple[str, Any], ...], ...]:
+    """[first] of the spec: lists of axis values, every combination of them one config."""
+    table = spec.get("first", {})
+    unknown = sorted(set(table) - set(spec["axes"]))
+    if unknown:
+        raise ConfigError(f"space: [first] of {path.name} names unknown axes {', '.join(unknown)}")
+    lists = [(name, values) for name, values in table.items()]
+    if any(not isinstance(values, list) or not values for _, values in lists):
+        raise ConfigError(f"space: each axis of [first] in {path.name} takes a non-empty list of values")
+    names = [name for name, _ in lists]
+    return tuple(tuple(zip(names, values)) for values in itertools.product(*(v for _, v in lists)))
 
 
 def expand(op: Op, shape: Any, space: Space, arch: str | None = None) -> tuple[list[Any], list[tuple[Any, str]]]:

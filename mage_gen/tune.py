@@ -213,7 +213,8 @@ def tune(op: Op, shape: Any, run: dict[str, int], space: Space, backend: Backend
     class's stored winner; where they lie in the space and the study has not measured them, they are measured
     first, so that a search over another preset always has the stored winner among its candidates. unrecorded: axes
     the stored winner's entry does not name (it was tuned before they existed): the incumbent at each of their other
-    values in the space is measured first too, the one new lever tried on the config that won without it."""
+    values in the space is measured first too, the one new lever tried on the config that won without it. Then
+    the space's `first` configs (the peers' shapes) that lie in it."""
     if objective not in ("hot", "cold"):
         raise ConfigError(f"objective: must be 'hot' or 'cold', got {objective!r}")
     valid, rejected = expand(op, shape, space, backend.arch)
@@ -235,6 +236,9 @@ def tune(op: Op, shape: Any, run: dict[str, int], space: Space, backend: Backend
     if incumbent is not None and from_earlier_runs < budget:
         for params in _beside(incumbent, space, unrecorded):
             _start_with(study, op, shape, keys, params)
+    if from_earlier_runs < budget:
+        for values in space.first:
+            _start_with(study, op, shape, keys, op.params_from_dict({**op.defaults(shape), **dict(values)}))
     # Compile in parallel, up front, what the search will measure (all of it when exhaustive; every unmeasured
     # config where TPE will try most of them); each trial then finds its variant in the cache.
     finished = _finished(study, op, shape, keys)

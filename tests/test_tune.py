@@ -289,21 +289,24 @@ def test_exhaustive_rerun_measures_the_rest(recording_path, small, tmp_path):
 
 # ---- a retune starts from the stored winner ----
 
-def test_the_stored_winner_is_measured_first_where_the_search_would_not_reach_it(recording_path, recording,
-                                                                                 recorded, tmp_path):
-    valid, _ = expand(OP, SHAPE, recorded)
+def unreached_by_a_plain_search(recording_path, recording, recorded, tmp_path) -> list:
+    """The recorded configs a 6-trial search of `recorded` leaves unmeasured: only what is enqueued brings them in."""
     plain = Recorder(recording_path)
     (tmp_path / "plain").mkdir()
     run_tune(plain, recorded, tmp_path / "plain", study_name="plain", trials=6)
-    # the fastest config the same search leaves unmeasured: only the incumbent can bring it in
-    unreached = [p for p in valid if OP.kernel_name(SHAPE, p) not in plain.evaluated
-                 and hot_median(recording, OP.kernel_name(SHAPE, p)) is not None]
+    return [p for p in expand(OP, SHAPE, recorded)[0] if OP.kernel_name(SHAPE, p) not in plain.evaluated
+            and hot_median(recording, OP.kernel_name(SHAPE, p)) is not None]
+
+
+def test_the_stored_winner_is_measured_first_where_the_search_would_not_reach_it(recording_path, recording,
+                                                                                 recorded, tmp_path):
+    unreached = unreached_by_a_plain_search(recording_path, recording, recorded, tmp_path)
     stored = min(unreached, key=lambda p: hot_median(recording, OP.kernel_name(SHAPE, p)))
     backend = Recorder(recording_path)
     (tmp_path / "seeded").mkdir()
     run_tune(backend, recorded, tmp_path / "seeded", study_name="seeded", trials=6, incumbent=stored)
     name = OP.kernel_name(SHAPE, stored)
-    assert backend.evaluated[0] == name and name not in plain.evaluated
+    assert backend.evaluated[0] == name
     assert len(backend.evaluated) == len(set(backend.evaluated)) == 6  # within the budget, never twice
     assert name in backend.finalists
 
@@ -341,6 +344,45 @@ def test_a_stored_winner_measured_already_or_outside_the_space_is_not_measured_f
     exhaustive = Recorder(recording_path)
     run_tune(exhaustive, small, tmp_path, study_name="small", trials=3, incumbent=outside)
     assert exhaustive.evaluated == kernels(valid)[:3]
+
+
+def test_a_space_s_first_configs_are_measured_after_the_stored_winner_where_the_space_holds_them(
+        recording_path, recording, recorded, tmp_path):
+    stored, *peer_shaped = unreached_by_a_plain_search(recording_path, recording, recorded, tmp_path)[:3]
+    valid, _ = expand(OP, SHAPE, recorded)
+    outside = next(p for p in expand(OP, SHAPE, QUICK)[0] if p not in valid)
+    # as [first] names them: only the fields that differ from the defaults
+    defaults = OP.params_to_dict(OP.params_from_dict({}))
+    first = tuple(tuple((k, v) for k, v in OP.params_to_dict(p).items() if v != defaults[k])
+                  for p in (*peer_shaped, outside))
+    backend = Recorder(recording_path)
+    (tmp_path / "first").mkdir()
+    run_tune(backend, dataclasses.replace(recorded, first=first), tmp_path / "first", study_name="first", trials=6,
+             incumbent=stored)
+    assert backend.evaluated[:3] == kernels([stored, *peer_shaped])
+    assert OP.kernel_name(SHAPE, outside) not in backend.evaluated
+    assert len(backend.evaluated) == len(set(backend.evaluated)) == 6
+
+
+def test_the_norm_spaces_for_long_rows_start_from_the_triton_peer_s_kernel():
+    for name in ("layernorm", "rmsnorm"):
+        op = get_op(name)
+        shape = op.shape(d=8192, dtype="bf16")
+        space = load_space(op, "long", shape)
+        valid = set(expand(op, shape, space, "sm_90")[0])
+        triton_w8 = op.params_from_dict({"template": "row", "threads": 256, "vector": 16, "hint": "none"})
+        assert triton_w8 in valid and triton_w8.l2_ahead == 0 and triton_w8.min_blocks == 1
+        assert triton_w8 in {op.params_from_dict(dict(values)) for values in space.first}
+        assert space.narrowed(threads=(512,)).first == space.first
+
+
+def test_a_first_table_naming_an_unknown_axis_is_a_one_line_error(tmp_path, monkeypatch):
+    spec = (Path(__file__).parents[1] / "search" / "rmsnorm.toml").read_text()
+    (tmp_path / "search").mkdir()
+    (tmp_path / "search" / "rmsnorm.toml").write_text(spec.replace('hint = ["none"]\n', 'warps = [8]\n', 1))
+    monkeypatch.setattr("mage_gen.space.data_dir", lambda name: tmp_path / name)
+    with pytest.raises(ConfigError, match=r"\[first\] of rmsnorm.toml names unknown axes warps"):
+        load_space(get_op("rmsnorm"), "long")
 
 
 def test_an_exhaustive_search_measures_the_stored_winner_first_then_the_rest_once_each(recording_path, small,
