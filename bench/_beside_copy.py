@@ -1,20 +1,35 @@
 """What the norms probes share: named variants of one shape, each gated, then timed hot and cold, interleaved,
-on one copy of the inputs beside the copy of the same bytes (_copy.py), the inputs checked intact after."""
+on one copy of the inputs beside the copy of the same bytes (_copy.py) and, if asked, the op's peers, the inputs
+checked intact after."""
 
 from __future__ import annotations
 
 from _copy import FLOOR, copy_subjects, settle
 
 from mage_gen.dtypes import dtype
+from mage_gen.errors import ConfigError
 from mage_gen.measure import Bench, interleave
-from mage_gen.peers import on_gpu
+from mage_gen.peers import make_peers, on_gpu
+from mage_gen.variants import build
 
 ROUNDS, PER_ROUND = 4, 5
 
 
-def time_beside_copy(op, shape, run: dict, variants: dict, label: str, seed: int) -> dict:
-    """{"gates": each variant's gate, "timings": hot and cold of each that passed and of FLOOR,
-    "fraction_of_copy": each one's share of the copy's time, per method}; prints one line per variant."""
+def build_named(op, shape, configs: dict, arch: str, label: str) -> dict:
+    """Each named config built; one the op refuses is reported (a line) and left out, not timed."""
+    variants = {}
+    for name, params in configs.items():
+        try:
+            variants[name] = build(op, shape, params, arch)
+        except ConfigError as e:
+            print(f"{label} {name}: {e}", flush=True)
+    return variants
+
+
+def time_beside_copy(op, shape, run: dict, variants: dict, label: str, seed: int, peers: bool = False) -> dict:
+    """{"gates": each variant's gate, "timings": hot and cold of each that passed, of FLOOR and, with peers,
+    of each peer (gated on the same inputs), "fraction_of_copy": each one's share of the copy's time, per
+    method}; prints one line per variant and peer."""
     bench = Bench(op, shape, run, seed=seed)
     subjects, kernels, gates = [], [], {}
     try:
@@ -27,12 +42,19 @@ def time_beside_copy(op, shape, run: dict, variants: dict, label: str, seed: int
                 print(f"{label} {name}: failed the gate: {checked.reason}", flush=True)
             else:
                 subjects.append(subject)
+        others = []
+        if peers and subjects:
+            buffers = bench.timing_buffers()
+            others, missing = make_peers(op, shape, run, subjects[0].bound.inputs, None, check=bench.check_tensor,
+                                         inductor=True, device_inputs={k: b.ptr for k, b in buffers.items()})
+            for name, why in missing.items():
+                print(f"{label} {name}: missing: {why}", flush=True)
         m = run["m"]
         sources = tuple(on_gpu(bench.timing_buffers()[t].ptr, (m, shape.d), dtype(shape.dtype))
                         for t in ("x", "residual") if t in bench.timing_buffers())
         copies = copy_subjects(op.bytes_moved(shape, run), sources)
-        hot = interleave([*subjects, *copies], "hot", ROUNDS, PER_ROUND)
-        cold = interleave([*subjects, *copies], "cold", ROUNDS, PER_ROUND)
+        hot = interleave([*subjects, *others, *copies], "hot", ROUNDS, PER_ROUND)
+        cold = interleave([*subjects, *others, *copies], "cold", ROUNDS, PER_ROUND)
         settle(copies, hot, cold)
     finally:
         for s in subjects:
@@ -41,11 +63,11 @@ def time_beside_copy(op, shape, run: dict, variants: dict, label: str, seed: int
             k.unload()
     if bench.inputs_changed():
         raise SystemExit(f"{label}: a kernel or a copy wrote into its inputs")
-    names = [s.name for s in subjects]
+    names = [s.name for s in (*subjects, *others)]
     for n in names:
         print(f"{label:24} {n:10} hot {hot[n].median_us:8.2f}±{hot[n].spread_us:.2f}  cold {cold[n].median_us:8.2f}"
               f"±{cold[n].spread_us:.2f} µs  copy {hot[FLOOR].median_us:8.2f} / {cold[FLOOR].median_us:8.2f}", flush=True)
-    return {"gates": gates,
+    return {"gates": gates, **({"peer_configs": {p.name: p.config for p in others}} if peers else {}),
             "timings": {n: {"hot": hot[n].to_dict(), "cold": cold[n].to_dict()} for n in [*names, FLOOR]},
             "fraction_of_copy": {n: {meth: t[FLOOR].median_us / t[n].median_us for meth, t in (("hot", hot), ("cold", cold))}
                                  for n in names}}

@@ -15,14 +15,12 @@ import json
 import sys
 
 sys.path.insert(0, "bench")
-from _beside_copy import time_beside_copy
+from _beside_copy import build_named, time_beside_copy
 from _common import write_result
 
 from mage_gen import gpu
-from mage_gen.errors import ConfigError
 from mage_gen.ops import get_op
 from mage_gen.store import entry_key, shape_entries
-from mage_gen.variants import build
 
 AHEAD_KB = (0, 256, 512, 1024, 1536, 2048, 3072)
 # (op, residual, m, d): other block shapes, as overrides of the stored winner's params
@@ -52,12 +50,7 @@ def probe(device, key: tuple, others: dict) -> dict:
     label = f"{op.name}{'+res' if residual else ''} {m}x{d}"
     configs = {f"ahead{kb}": dataclasses.replace(stored, l2_ahead=kb) for kb in AHEAD_KB}
     configs.update({name: dataclasses.replace(stored, **changes) for name, changes in others.items()})
-    variants = {}
-    for name, params in configs.items():
-        try:
-            variants[name] = build(op, shape, params, device.arch)
-        except ConfigError as e:  # a config the op refuses is reported, not timed
-            print(f"{label} {name}: {e}", flush=True)
+    variants = build_named(op, shape, configs, device.arch, label)
     row = {"op": op_name, "residual": residual, "m": m, "d": d, "stored": entry["params"],
            "configs": {n: dataclasses.asdict(v.params) for n, v in variants.items()},
            "census": {n: {"registers": v.census.registers, "spill_bytes": v.census.spill_bytes} for n, v in variants.items()},
