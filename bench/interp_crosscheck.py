@@ -54,12 +54,13 @@ class Pair:
     inputs: dict[str, np.ndarray]
 
 
-def draw_pairs(count: int, seed: int) -> list[Pair]:
-    """Alternately layer norm (d in 1..1024, M in 1..3, full space) and matmul (1..128 each, explore space);
-    a shape without valid params is redrawn. Each pair's inputs come from its own (seed, index) stream."""
+def draw_pairs(count: int, seed: int, sms: int | None) -> list[Pair]:
+    """Alternately layer norm (d in 1..1024, M in 1..3, full space; sized for a GPU of `sms` SMs, or without the
+    configs given per SM) and matmul (1..128 each, explore space); a shape without valid params is redrawn. Each
+    pair's inputs come from its own (seed, index) stream."""
     rng, pairs = np.random.default_rng(seed), []
     ln, mm = get_op("layernorm"), get_op("matmul")
-    ln_space, mm_space = load_space(ln, "full"), load_space(mm, "explore")
+    ln_space, mm_space = load_space(ln, "full", sms=sms), load_space(mm, "explore")
 
     def dim(top: int, common: list[int]) -> int:
         return int(rng.choice(common) if rng.random() < 0.25 else rng.integers(1, top + 1))
@@ -260,7 +261,8 @@ def main() -> int:
         device, stream = gpu.open_device(), gpu.Stream()
         prov = provenance(device)  # before the long part: a missing package fails at once
     start = time.perf_counter()
-    records = crosscheck(draw_pairs(args.pairs, args.seed), device.arch if device else "sm_90", stream, args.workers)
+    pairs = draw_pairs(args.pairs, args.seed, device.sms if device else None)
+    records = crosscheck(pairs, device.arch if device else "sm_90", stream, args.workers)
     summary = summarize(records, time.perf_counter() - start)
     print(json.dumps({k: v for k, v in summary.items() if k != "failures"}), f"{len(summary['failures'])} failed")
     if device is not None:

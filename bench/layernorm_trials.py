@@ -36,7 +36,7 @@ def main() -> None:
     op = get_op("layernorm")
     shape, run = op.shape(d=args.d), {"m": args.m}
     device = gpu.open_device()
-    valid, rejected = expand(op, shape, load_space(op, args.preset))
+    valid, rejected = expand(op, shape, load_space(op, args.preset, sms=device.sms))
     started = time.perf_counter()
     variants = build_all(op, shape, valid, device.arch)
     compile_s = time.perf_counter() - started

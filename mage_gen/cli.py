@@ -260,13 +260,22 @@ def variants(
     dtype: Optional[str] = DTypeOpt, weight_dtype: Optional[str] = WeightDTypeOpt,
     config: list[str] = typer.Option([], help="the shape's other fields, e.g. residual=true"),
     arch: str = ArchOpt, as_json: bool = JsonOpt,
+    sms: Optional[int] = typer.Option(None, "--sms", min=1, help="SMs of the GPU a grid given per SM in the space "
+                                      "(grid_cap \"4/SM\") is sized for (default: this machine's GPU; without "
+                                      "one, those configs are left out)"),
 ) -> None:
     """Compile every valid variant of a preset and list each with its census."""
     op = get_op(op_name)
     shape, run = _problem(op, _shape_only_config(op, config), d=d, m=m, n=n, k=k, dtype=dtype,
                           weight_dtype=weight_dtype)
     check_op_arch(op, arch, shape)
-    space = load_space(op, preset, shape)
+    left_out = ""
+    space = load_space(op, preset, shape, sms=sms)
+    if sms is None and space != load_space(op, preset, shape, sms=1):  # the space gives a grid per SM
+        try:
+            space = load_space(op, preset, shape, sms=int(_gpu_facts()["sms"]))
+        except NoGpuError:
+            left_out = "; configs whose grid is given per SM left out (no GPU here: give --sms)"
     valid, rejected = expand(op, shape, space, arch)
     if not valid:
         raise MageError(f"space: no config of preset {space.preset} is valid for {op.name} {shape_dict(shape)}; first "
@@ -276,7 +285,7 @@ def variants(
         built = build_all(op, shape, valid, arch, progress=advance)
     cached = sum(v.compiled.from_cache for v in built)
     err.print(f"{len(built)} variants in {time.monotonic() - started:.0f} s: {len(built) - cached} compiled, {cached} "
-              "read from the compile cache", markup=False, highlight=False, soft_wrap=True)
+              f"read from the compile cache{left_out}", markup=False, highlight=False, soft_wrap=True)
     if as_json:
         print(json.dumps({"op": op.name, "shape": shape_dict(shape), "preset": space.preset, "arch": arch,
                           "rejected": len(rejected),
@@ -517,17 +526,19 @@ def tune_command(
         raise MageError(f"storage: {len(chosen_gpus)} workers cannot share "
                         f"{storage or 'the default SQLite storage'}: SQLite is not safe for concurrent writers; "
                         "give --storage postgresql://USER@HOST/DB")
-    space = load_space(op, preset, shape)
+    load_space(op, preset, shape)  # a bad --preset is its own one-line error before any GPU is looked for
     replayed = ReplayBackend(replay) if replay else None  # a bad --replay file is its own one-line error
     try:
         device = replayed.device if replayed else _gpu_facts()
     except NoGpuError as exc:
         target = check_op_arch(op, arch or DEFAULT_ARCH, shape)
+        space = load_space(op, preset, shape)  # no GPU to size a grid given per SM for: those configs left out
         valid, rejected = expand(op, shape, space, target)
         with _compiling(len(valid), f"{op.name} {shape_dict(shape)} preset {space.preset} for {target}") as advance:
             build_all(op, shape, valid, target, progress=advance)
         raise NoGpuError(f"compiled and counted {len(valid)} valid variants ({len(rejected)} rejected) for "
                          f"{target}; {exc}") from None
+    space = load_space(op, preset, shape, sms=int(device["sms"]))
     target = "sm_" + str(device["cc"]).replace(".", "")
     if arch and check_arch(arch) != target:
         raise MageError(f"arch: the GPU here is {target}; kernels for {arch} cannot be timed on it")
@@ -617,16 +628,16 @@ def _join(storage: str, study_name: str, seed: int, replay: Path | None) -> None
                         "join one that was")
     op = get_op(identity["op"])
     shape, run = op.shape(**identity["shape"]), identity["run"]
-    space = load_space(op, identity["preset"], shape)
-    if space_id(space) != identity["space"]:
-        raise MageError(f"worker: preset {identity['preset']} of this mage-gen is not the space study "
-                        f"{study_name!r} searches; run the version that started it")
     backend = ReplayBackend(replay) if replay else IsolatedBackend(partial(gpu_backend, op.name, shape, run, seed))
     try:
         here = (backend.device["name"], backend.arch)
         if here != (identity["gpu"], identity["arch"]):
             raise MageError(f"worker: study {study_name!r} is for {identity['gpu']} ({identity['arch']}), this is "
                             f"{here[0]} ({here[1]}); another GPU model tunes a study of its own")
+        space = load_space(op, identity["preset"], shape, sms=int(backend.device["sms"]))
+        if space_id(space) != identity["space"]:
+            raise MageError(f"worker: preset {identity['preset']} of this mage-gen is not the space study "
+                            f"{study_name!r} searches; run the version that started it")
         measured = measure(op, shape, space, backend, study, int(budget), identity["objective"], seed)
     finally:
         backend.close()

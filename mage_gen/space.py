@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import re
 import tomllib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -49,8 +50,13 @@ def preset_names(op_name: str) -> list[str]:
     return list(_spec(op_name)[1].get("presets", {}))
 
 
-def load_space(op: Op, preset: str | None = None, shape: Any = None) -> Space:
-    """A preset's axes; with a shape, as the op fits them to it (op.fit_space)."""
+# An axis value given per SM ("4/SM"): that many times the SM count of the GPU the space is expanded for
+_PER_SM = re.compile(r"(\d+)/SM")
+
+
+def load_space(op: Op, preset: str | None = None, shape: Any = None, sms: int | None = None) -> Space:
+    """A preset's axes; with a shape, as the op fits them to it (op.fit_space). sms: the SM count of the GPU the
+    space is for, which a value given per SM ("4/SM") is multiplied by; without it such values are left out."""
     path, spec = _spec(op.name)
     presets = spec.get("presets", {})
     preset = preset or spec.get("default_preset") or "full"
@@ -61,10 +67,15 @@ def load_space(op: Op, preset: str | None = None, shape: Any = None) -> Space:
         if name not in axes:
             raise ConfigError(f"space: preset {preset} of {path.name} narrows unknown axis {name!r}")
         axes[name] = values
-    fitted = {k: tuple(v) for k, v in axes.items()}
+    fitted = {k: _on_device(v, sms) for k, v in axes.items()}
     if shape is not None:
         fitted = op.fit_space(shape, fitted)
     return Space(op=op.name, preset=preset, axes=tuple(fitted.items()), first=_first(path, spec))
+
+
+def _on_device(values: list[Any], sms: int | None) -> tuple[Any, ...]:
+    per_sm = [(v, _PER_SM.fullmatch(v) if isinstance(v, str) else None) for v in values]
+    return tuple(int(m[1]) * sms if m else v for v, m in per_sm if not m or sms is not None)
 
 
 def _first(path: Path, spec: dict[str, Any]) -> tuple[tuple[tuple[str, Any], ...], ...]:

@@ -50,6 +50,17 @@ def test_variants_json_lists_only_valid_configs():
     assert all(v["params"]["threads"] <= 128 // (v["params"]["vector"] // 4) for v in doc["variants"])
 
 
+def test_variants_size_a_grid_given_per_sm_for_the_sms_asked():
+    done = mage_gen("variants", "layernorm", "--d", "128", "--preset", "quick", "--sms", "100", "--json")
+    assert done.returncode == 0, done.stderr
+    caps = {v["params"]["grid_cap"] for v in json.loads(done.stdout)["variants"]}
+    assert caps == {0, 400}
+    plain = mage_gen("variants", "layernorm", "--d", "128", "--preset", "quick", "--json")
+    caps = {v["params"]["grid_cap"] for v in json.loads(plain.stdout)["variants"]}
+    # without --sms: sized for this machine's GPU, or, with none here, left out and said so
+    assert (caps == {0} and "left out (no GPU here: give --sms)" in plain.stderr) or (len(caps) == 2 and 0 in caps)
+
+
 @pytest.mark.parametrize("args, says", [
     (["inspect", "layernorm", "--d", "0"], "d-range"),
     (["inspect", "layernorm", "--d", "-5"], "d-range"),

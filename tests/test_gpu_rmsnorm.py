@@ -14,13 +14,12 @@ from drawn import gate_a_drawn_variant
 
 pytestmark = pytest.mark.gpu
 OP = get_op("rmsnorm")
-FULL = load_space(OP, "full")
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_drawn_variants_match_the_float64_reference(device, stream, data):
-    name, m, result = gate_a_drawn_variant(OP, FULL, device, stream, data)
+    name, m, result = gate_a_drawn_variant(OP, load_space(OP, "full", sms=device.sms), device, stream, data)
     assert result.passed, f"{name} m={m}: {result.reason}"
 
 

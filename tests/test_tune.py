@@ -376,6 +376,14 @@ def test_the_norm_spaces_for_long_rows_start_from_the_triton_peer_s_kernel():
         assert space.narrowed(threads=(512,)).first == space.first
 
 
+def test_a_grid_given_per_sm_is_sized_for_the_gpu_the_space_is_loaded_for():
+    for name in ("layernorm", "rmsnorm"):
+        op = get_op(name)
+        assert dict(load_space(op, "full", sms=100).axes)["grid_cap"] == (0, 400)
+        assert dict(load_space(op, "quick", sms=132).axes)["grid_cap"] == (0, 528)
+        assert dict(load_space(op, "full").axes)["grid_cap"] == (0,)  # no GPU named: no grid to size
+
+
 def test_a_first_table_naming_an_unknown_axis_is_a_one_line_error(tmp_path, monkeypatch):
     spec = (Path(__file__).parents[1] / "search" / "rmsnorm.toml").read_text()
     (tmp_path / "search").mkdir()
