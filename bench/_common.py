@@ -1,5 +1,5 @@
-"""What the benches share: this GPU's tuned winner (tuned first where asked), where a result came from, and
-writing it under bench/results/<gpu>/."""
+"""What the benches share: this GPU's tuned winner (tuned first where asked), a built variant ready to launch,
+where a result came from, and writing it under bench/results/<gpu>/."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ from typing import Any
 
 import torch
 
-from mage_gen import __version__
+from mage_gen import __version__, gpu
 from mage_gen.compile import nvrtc_version
 from mage_gen.errors import StoreError
 from mage_gen.measure import FLUSH_BYTES, HOT_LAUNCHES_PER_GRAPH
+from mage_gen.runtime import Prepared
 from mage_gen.store import gpu_slug, load_winner, write_atomic
 
 TUNE_OUT = "/tmp/mage-gen-bench-kernels"
@@ -32,6 +33,14 @@ def winner_params(op, shape, device, tune_missing: bool, tune_flags: list[str], 
             raise
     subprocess.run([sys.executable, "-m", "mage_gen", "tune", op.name, *tune_flags, "--out", TUNE_OUT], check=True)
     return load_winner(op, shape, device.name, run, l2_bytes=device.l2_bytes).params
+
+
+def prepared(op, shape, variant, run: dict) -> Prepared:
+    """A built variant loaded and launched as the runtime launches it: argument kinds from the op, addresses held
+    to its contract."""
+    kernel = gpu.Kernel(variant.compiled.cubin, variant.compiled.kernel_name,
+                        op.geometry(shape, variant.params, run).dynamic_shared_bytes)
+    return Prepared(op, shape, variant.params, run, kernel)
 
 
 def passing(checked: Iterable[tuple[Any, str]]) -> tuple[list, dict[str, str]]:

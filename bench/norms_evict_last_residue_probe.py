@@ -23,7 +23,7 @@ import torch
 from cuda.bindings import driver as cu
 
 sys.path.insert(0, "bench")
-from _common import write_result
+from _common import prepared, write_result
 
 from mage_gen import gpu
 from mage_gen.census import take_census
@@ -60,10 +60,7 @@ def main() -> None:
         variant = build(op, shape, params, device.arch)
         if priority == "last, unreleased":
             variant = unreleased(variant, device.arch)
-        geometry = op.geometry(shape, params, run)
-        kernel = gpu.Kernel(variant.compiled.cubin, variant.compiled.kernel_name, geometry.dynamic_shared_bytes)
-        fixed = gpu.FixedLaunch(kernel, geometry.grid, geometry.block, geometry.dynamic_shared_bytes,
-                                ["ptr", "ptr", "ptr", "i32", "f32"])
+        fixed = prepared(op, shape, variant, run)
         launches[priority] = (variant.source.kernel_name, fixed)
         # what is timed is a copy, but a kernel that computed the wrong rows may have read the wrong lines too
         y.fill_(float("nan"))

@@ -19,7 +19,7 @@ import torch
 from cuda.bindings import driver as cu
 
 sys.path.insert(0, "bench")
-from _common import winner_params, write_result
+from _common import prepared, winner_params, write_result
 
 from mage_gen import gpu
 from mage_gen.measure import flush_buffer
@@ -46,10 +46,7 @@ def main() -> None:
     launchers, kernels = {}, {}
     for name, params in configs.items():
         variant = build(op, shape, params, device.arch)
-        geometry = op.geometry(shape, params, run)
-        kernel = gpu.Kernel(variant.compiled.cubin, variant.compiled.kernel_name, geometry.dynamic_shared_bytes)
-        fixed = gpu.FixedLaunch(kernel, geometry.grid, geometry.block, geometry.dynamic_shared_bytes,
-                                ["ptr", "ptr", "ptr", "i32", "f32"])
+        fixed = prepared(op, shape, variant, run)
         kernels[name] = variant.source.kernel_name
         launchers[name] = (lambda y, f=fixed: f.launch([y.data_ptr(), x.data_ptr(), w.data_ptr(), M, EPS],
                                                        torch.cuda.current_stream().cuda_stream))
