@@ -26,10 +26,12 @@ def build_named(op, shape, configs: dict, arch: str, label: str) -> dict:
     return variants
 
 
-def time_beside_copy(op, shape, run: dict, variants: dict, label: str, seed: int, peers: bool = False) -> dict:
+def time_beside_copy(op, shape, run: dict, variants: dict, label: str, seed: int, peers: bool = False,
+                     share_outputs: bool = False) -> dict:
     """{"gates": each variant's gate, "timings": hot and cold of each that passed, of FLOOR and, with peers,
     of each peer (gated on the same inputs), "fraction_of_copy": each one's share of the copy's time, per
-    method}; prints one line per variant and peer."""
+    method}; prints one line per variant and peer. share_outputs: the Triton peer writes the first variant's
+    outputs, as in bench/norms.py (each variant writes its own)."""
     bench = Bench(op, shape, run, seed=seed)
     subjects, kernels, gates = [], [], {}
     try:
@@ -46,7 +48,8 @@ def time_beside_copy(op, shape, run: dict, variants: dict, label: str, seed: int
         if peers and subjects:
             buffers = bench.timing_buffers()
             others, missing = make_peers(op, shape, run, subjects[0].bound.inputs, None, check=bench.check_tensor,
-                                         inductor=True, device_inputs={k: b.ptr for k, b in buffers.items()})
+                                         inductor=True, device_inputs={k: b.ptr for k, b in buffers.items()},
+                                         device_outputs=subjects[0].bound.output_pointers() if share_outputs else None)
             for name, why in missing.items():
                 print(f"{label} {name}: missing: {why}", flush=True)
         m = run["m"]

@@ -62,8 +62,11 @@ def bench_shape(op, shape, m: int, params, device) -> dict:
         if subject is None:
             return {**head, "gate": checked.to_dict()}
         buffers = bench.timing_buffers()
+        # and Triton's kernel writes the kernel's own y (and residual_out): where y lies moves either by 2-4% at
+        # the DRAM-bound shapes (NOTES.md, norms §15)
         peers, missing = make_peers(op, shape, run, subject.bound.inputs, None, check=bench.check_tensor,
-                                    inductor=True, device_inputs={k: b.ptr for k, b in buffers.items()})
+                                    inductor=True, device_inputs={k: b.ptr for k, b in buffers.items()},
+                                    device_outputs=subject.bound.output_pointers())
         activations = [on_gpu(buffers[k].ptr, subject.bound.inputs[k].shape, dtype(shape.dtype))
                        for k in ("x", "residual") if k in buffers]
         copies = copy_subjects(moved, tuple(activations))
@@ -162,6 +165,9 @@ def main() -> None:
             "peers": "torch: F.layer_norm / F.rms_norm (of x + residual, computed first, in the residual form); "
                      "inductor: torch.compile(fullgraph=True, dynamic=False) of that eager code; triton: one "
                      "program per row, bf16 loads, fp32 math, best num_warps of 2/4/8/16 by hot time",
+            "outputs": "the kernel writes y (and residual_out) into the bench's fenced buffers; the Triton peer "
+                       "writes into the same memory (its gate after a NaN fill of it); torch and Inductor "
+                       "allocate their own",
             **timing_method(ROUNDS, PER_ROUND),
             "floor:copy": "bytes_moved / 2 bytes read and as many written (what the norm moves): " + COPY_METHOD,
             "regime": f"dram where bytes moved ≥ {DRAM_L2S}× the GPU's L2",

@@ -98,9 +98,10 @@ class Bound:
                 self.buffers[name] = gpu.Buffer(body + 2 * GUARD_BYTES)
             scalars = op.scalars(shape, run)
             values: list[tuple[str, int | float]] = []
+            outputs = self.output_pointers()
             for arg in op.args(shape):
                 if arg.kind == "out":
-                    values.append(("ptr", self.buffers[arg.name].ptr + GUARD_BYTES))
+                    values.append(("ptr", outputs[arg.name]))
                 elif arg.kind == "in":
                     values.append(("ptr", self.buffers[arg.name].ptr))
                 else:
@@ -109,6 +110,10 @@ class Bound:
         except Exception:
             self.free()
             raise
+
+    def output_pointers(self) -> dict[str, int]:
+        """Where each output's elements begin, past its fence: what the kernel is handed."""
+        return {name: self.buffers[name].ptr + GUARD_BYTES for name in self.output_shapes}
 
     def poison(self, stream: gpu.Stream) -> None:
         for name in self.output_shapes:

@@ -183,11 +183,12 @@ def on_gpu(pointer: int, shape: tuple[int, ...], dtype: DType) -> Any:
 
 
 def _row_norm_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float, torch_fn: str,
-                         triton_kernel: Any, inductor: bool, tensor_of: Callable[[str, DType], Any]
-                         ) -> dict[str, list[TorchSubject] | str]:
+                         triton_kernel: Any, inductor: bool, tensor_of: Callable[[str, DType], Any],
+                         output_of: _Outputs) -> dict[str, list[TorchSubject] | str]:
     """torch's norm as a model calls it (`x + residual` first, in the residual form), the same code compiled
-    by Inductor, and the Triton kernel (one program per row) at each num_warps. Each returns y, or
-    (y, residual_out). A family that cannot run this shape is the reason why, in place of its subjects."""
+    by Inductor, and the Triton kernel (one program per row) at each num_warps, writing where output_of says.
+    Each returns y, or (y, residual_out). A family that cannot run this shape is the reason why, in place of
+    its subjects."""
     tensors = {name: tensor_of(name, element_type(shape.weight_dtype if name in ("w", "b") else shape.dtype))
                for name in inputs}
     x, residual = tensors["x"], tensors.get("residual")
@@ -218,8 +219,8 @@ def _row_norm_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float, 
         block = triton.next_power_of_2(d)
 
         def triton_run(warps: int) -> Callable[[], Any]:
-            y = torch.full_like(x, float("nan"))  # one per candidate, NaN until written, as for matmul
-            out = torch.full_like(x, float("nan")) if residual is not None else None
+            y = output_of("y", x.shape, x.dtype)
+            out = output_of("residual_out", x.shape, x.dtype) if residual is not None else None
 
             def go():
                 triton_kernel[(m,)](x, y, *weights, d, eps, residual if out is not None else x,
@@ -229,24 +230,27 @@ def _row_norm_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float, 
             return go
 
         candidates["triton"] = [TorchSubject(f"triton/w{warps}", triton_run(warps),
-                                             {"num_warps": warps, "BLOCK": block}) for warps in TRITON_WARPS]
+                                             {"num_warps": warps, "BLOCK": block, "outputs": output_of.where("y")})
+                                for warps in TRITON_WARPS]
     return candidates
 
 
 def _layernorm_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float, inductor: bool,
-                          tensor_of: Callable[[str, DType], Any]) -> dict[str, list[TorchSubject]]:
+                          tensor_of: Callable[[str, DType], Any],
+                          output_of: _Outputs) -> dict[str, list[TorchSubject]]:
     return _row_norm_candidates(shape, inputs, eps, "F.layer_norm",
-                                _triton_layernorm if triton is not None else None, inductor, tensor_of)
+                                _triton_layernorm if triton is not None else None, inductor, tensor_of, output_of)
 
 
 def _rmsnorm_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float, inductor: bool,
-                        tensor_of: Callable[[str, DType], Any]) -> dict[str, list[TorchSubject]]:
+                        tensor_of: Callable[[str, DType], Any],
+                        output_of: _Outputs) -> dict[str, list[TorchSubject]]:
     return _row_norm_candidates(shape, inputs, eps, "F.rms_norm",
-                                _triton_rmsnorm if triton is not None else None, inductor, tensor_of)
+                                _triton_rmsnorm if triton is not None else None, inductor, tensor_of, output_of)
 
 
 def _matmul_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float, inductor: bool,
-                       tensor_of: Callable[[str, DType], Any]) -> dict[str, list[TorchSubject]]:
+                       tensor_of: Callable[[str, DType], Any], output_of: _Outputs) -> dict[str, list[TorchSubject]]:
     # mage-gen's matmul kernels do exact fp32 FMAs, so cuBLAS must too: TF32 (about 3e-4 relative error,
     # which the op's 1e-4 tolerance refuses) is off for every call made from here on.
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -255,8 +259,8 @@ def _matmul_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float, in
     a, b = (tensor_of(name, FLOAT32) for name in ("A", "B"))
     (m, k), n = a.shape, b.shape[1]
 
-    def output():  # one per candidate, NaN until written, so a tile a kernel skips fails the gate
-        return torch.full((m, n), float("nan"), dtype=torch.float32, device="cuda")
+    def output():
+        return output_of("C", (m, n), torch.float32)
 
     def cublas_run(c):  # into a preallocated c, so a CUDA graph can capture it
         def go():
@@ -293,7 +297,7 @@ _TC_PEER_MODES = {"bf16": (False, None), "tf32": (True, "tf32"), "fp32x3": (Fals
 
 
 def _matmul_tc_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float, inductor: bool,
-                          tensor_of: Callable[[str, DType], Any]) -> dict[str, list[TorchSubject]]:
+                          tensor_of: Callable[[str, DType], Any], output_of: _Outputs) -> dict[str, list[TorchSubject]]:
     """cuBLAS through torch at the same precision (bf16 inputs with an fp32 C, and as torch.matmul gives it, a
     bf16 C; tf32 with allow_tf32; for fp32x3, SGEMM with TF32 off: the FP32 result it must match) and Triton's
     tl.dot at the same precision (fp32 accumulation and C)."""
@@ -303,7 +307,7 @@ def _matmul_tc_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float,
     (m, k), n = a.shape, b.shape[1]
 
     def output(dtype=torch.float32):
-        return torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+        return output_of("C", (m, n), dtype)
 
     def cublas_run(c, out_dtype=None):
         def go():
@@ -346,6 +350,29 @@ def _matmul_tc_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float,
     return candidates
 
 
+class _Outputs:
+    """Where a peer handed its output writes it: the caller's memory (make_peers' device_outputs, the very
+    output a kernel in the same bench writes, so that both are timed writing the same memory) where the name,
+    shape and dtype match, or else a tensor of its own, one per candidate. Either is NaN until written, so a
+    row or tile a peer skips fails the gate."""
+
+    def __init__(self, shared: dict[str, Any]):
+        self.shared = shared
+
+    def __call__(self, name: str, shape: tuple[int, ...], dtype: Any) -> Any:
+        held = self.shared.get(name)
+        if held is not None and tuple(held.shape) == tuple(shape) and held.dtype == dtype:
+            return held
+        return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+
+    def where(self, name: str) -> str:
+        return "the kernel's own, shared" if name in self.shared else "a tensor of its own"
+
+    def poison(self) -> None:
+        for held in self.shared.values():
+            held.fill_(float("nan"))
+
+
 _CANDIDATES = {"layernorm": _layernorm_candidates, "rmsnorm": _rmsnorm_candidates, "matmul": _matmul_candidates,
                "matmul_tc": _matmul_tc_candidates}
 
@@ -353,14 +380,18 @@ _CANDIDATES = {"layernorm": _layernorm_candidates, "rmsnorm": _rmsnorm_candidate
 def make_peers(op: Op, shape: Any, run: dict[str, int], inputs: dict[str, np.ndarray],
                reference: dict[str, np.ndarray] | None, pick_replays: int = 10,
                check: Callable[[str, Any], tuple[float, str]] | None = None,
-               inductor: bool = False, device_inputs: dict[str, int] | None = None
-               ) -> tuple[list[TorchSubject], dict[str, str]]:
+               inductor: bool = False, device_inputs: dict[str, int] | None = None,
+               device_outputs: dict[str, int] | None = None) -> tuple[list[TorchSubject], dict[str, str]]:
     """The op's peers, each gated on `inputs` (every output: a peer returns them in the op's order); of a
     family with configs (Triton's num_warps) the fastest hot. check(output name, tensor) -> (error, reason)
     judges on the GPU where the reference is held there (measure.DeviceReference); otherwise `reference` is
     compared on the CPU. inductor: also torch.compile of the eager code (norms; compiling takes seconds per
     shape). device_inputs: where `inputs` already are on the GPU (a pointer each, kept alive by the caller),
     read there rather than copied, so that the peers read the very memory a kernel sharing them reads.
+    device_outputs: where a kernel writes its outputs (a pointer each, to the output's elements), written by
+    every peer that is handed its output (Triton's, cuBLAS): where an output lies moves a DRAM-bound kernel's
+    time by percents (bench/NOTES.md, norms §15), so those peers are timed writing the same memory as the
+    kernel; torch's norms and Inductor allocate their own. Each is poisoned with NaN before every peer's gate.
     Returns (peers, {name: why it is missing})."""
     if torch is None or not torch.cuda.is_available():
         return [], {"torch": "torch with CUDA is not installed here (pip install 'mage-gen[peers]')"}
@@ -376,13 +407,17 @@ def make_peers(op: Op, shape: Any, run: dict[str, int], inputs: dict[str, np.nda
             return on_gpu(device_inputs[name], inputs[name].shape, dtype)
         return to_torch(inputs[name], dtype)
 
-    candidates = _CANDIDATES[op.name](shape, inputs, float(scalars.get("eps", 0.0)), inductor, tensor_of)
+    output_types = op.output_dtypes(shape)
+    outputs = _Outputs({name: on_gpu(pointer, op.output_shapes(shape, run)[name], output_types[name])
+                        for name, pointer in (device_outputs or {}).items()})
+    candidates = _CANDIDATES[op.name](shape, inputs, float(scalars.get("eps", 0.0)), inductor, tensor_of, outputs)
     for family, subjects in candidates.items():
         if isinstance(subjects, str):
             missing[family] = subjects
             continue
         passing = []
         for subject in subjects:
+            outputs.poison()
             try:
                 out = subject.run()
                 torch.cuda.synchronize()

@@ -1,6 +1,8 @@
 """On the GPU: generated RMSNorm variants compute RMSNorm, and its peers pass the same gate. Skipped without
 a CUDA driver."""
 
+import contextlib
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -36,6 +38,23 @@ def test_torch_and_triton_rmsnorm_pass_the_gate_beside_a_variant(device):
     assert {p.name for p in peers} >= {"torch"} and not any("gate" in why for why in missing.values()), missing
 
 
+@contextlib.contextmanager
+def gated_on_the_bench_inputs(device, shape, run, seed):
+    """(bench, subject): a row variant of 256 threads gated, bound to the bench's timing inputs in place."""
+    bench = Bench(OP, shape, run, seed=seed)
+    variant = build(OP, shape, OP.params_from_dict({"template": "row", "threads": 256, "vector": 16}), device.arch)
+    kernel = bench.load(variant)
+    try:
+        subject, checked = bench.checked_subject(variant, kernel, share_inputs=True)
+        assert subject is not None, checked.reason
+        try:
+            yield bench, subject
+        finally:
+            subject.close()
+    finally:
+        kernel.unload()
+
+
 def test_a_shared_subject_and_its_peers_read_the_bench_buffers_in_place(device):
     """bench/norms.py times the kernel, the peers and the copy floor on one copy of the inputs: the kernel's bound
     and the peers' tensors are the bench's buffers, left to the bench when the subject goes, and a write into
@@ -46,12 +65,7 @@ def test_a_shared_subject_and_its_peers_read_the_bench_buffers_in_place(device):
     from mage_gen.peers import make_peers, on_gpu
 
     shape, run = OP.shape(d=4096, dtype="bf16"), {"m": 512}
-    bench = Bench(OP, shape, run, seed=5)
-    variant = build(OP, shape, OP.params_from_dict({"template": "row", "threads": 256, "vector": 16}), device.arch)
-    kernel = bench.load(variant)
-    try:
-        subject, checked = bench.checked_subject(variant, kernel, share_inputs=True)
-        assert subject is not None, checked.reason
+    with gated_on_the_bench_inputs(device, shape, run, seed=5) as (bench, subject):
         buffers = bench.timing_buffers()
         assert all(subject.bound.buffers[k] is buffers[k] for k in ("x", "w"))
         peers, missing = make_peers(OP, shape, run, subject.bound.inputs, None, check=bench.check_tensor,
@@ -64,5 +78,28 @@ def test_a_shared_subject_and_its_peers_read_the_bench_buffers_in_place(device):
         assert bench.inputs_changed() == []  # still the bench's, intact, after the subject freed its own
         x[0, 0] = x[0, 0] + 1
         assert bench.inputs_changed() == ["x"]
-    finally:
-        kernel.unload()
+
+
+def test_the_triton_peer_writes_the_kernels_own_outputs(device):
+    """Handed a kernel's outputs (make_peers' device_outputs, as bench/norms.py hands them), Triton's kernel
+    writes y and residual_out there, inside the fences, and is gated there."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    from mage_gen.peers import make_peers
+
+    shape, run = OP.shape(d=4096, dtype="bf16", residual=True), {"m": 512}
+    with gated_on_the_bench_inputs(device, shape, run, seed=7) as (bench, subject):
+        buffers = bench.timing_buffers()
+        peers, missing = make_peers(OP, shape, run, subject.bound.inputs, None, check=bench.check_tensor,
+                                    device_inputs={k: b.ptr for k, b in buffers.items()},
+                                    device_outputs=subject.bound.output_pointers())
+        triton_peer = next((p for p in peers if p.name == "triton"), None)
+        assert triton_peer is not None, missing
+        assert triton_peer.config["outputs"] == "the kernel's own, shared"
+        subject.bound.poison(bench.stream)
+        bench.stream.synchronize()
+        assert bench.timing_reference().compare(subject.bound, bench.stream)[1]  # poisoned: the check can fail
+        triton_peer.run()
+        torch.cuda.synchronize()
+        _, reason = bench.timing_reference().compare(subject.bound, bench.stream)
+        assert reason == "", reason
