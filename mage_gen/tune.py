@@ -214,7 +214,7 @@ def tune(op: Op, shape: Any, run: dict[str, int], space: Space, backend: Backend
     first, so that a search over another preset always has the stored winner among its candidates. unrecorded: axes
     the stored winner's entry does not name (it was tuned before they existed): the incumbent at each of their other
     values in the space is measured first too, the one new lever tried on the config that won without it. Then
-    the space's `first` configs (the peers' shapes) that lie in it."""
+    the space's `first` configs (the peers' shapes) that lie in it, each re-timed in the final round too."""
     if objective not in ("hot", "cold"):
         raise ConfigError(f"objective: must be 'hot' or 'cold', got {objective!r}")
     valid, rejected = expand(op, shape, space, backend.arch)
@@ -236,9 +236,10 @@ def tune(op: Op, shape: Any, run: dict[str, int], space: Space, backend: Backend
     if incumbent is not None and from_earlier_runs < budget:
         for params in _beside(incumbent, space, unrecorded):
             _start_with(study, op, shape, keys, params)
+    first = _first(op, shape, space)
     if from_earlier_runs < budget:
-        for values in space.first:
-            _start_with(study, op, shape, keys, op.params_from_dict({**op.defaults(shape), **dict(values)}))
+        for params in first:
+            _start_with(study, op, shape, keys, params)
     # Compile in parallel, up front, what the search will measure (all of it when exhaustive; every unmeasured
     # config where TPE will try most of them); each trial then finds its variant in the cache.
     finished = _finished(study, op, shape, keys)
@@ -256,7 +257,12 @@ def tune(op: Op, shape: Any, run: dict[str, int], space: Space, backend: Backend
             others.wait()
     done = _finished(study, op, shape, keys)
     return _finish(op, shape, study, done, valid, rejected, backend, objective, measured, from_earlier_runs,
-                   "exhaustive" if exhaustive else "tpe", progress)
+                   "exhaustive" if exhaustive else "tpe", progress, {params_key(op, p) for p in first})
+
+
+def _first(op: Op, shape: Any, space: Space) -> list[Any]:
+    """The space's `first` configs (the peers' shapes), every axis they do not name at the op's default."""
+    return [op.params_from_dict({**op.defaults(shape), **dict(values)}) for values in space.first]
 
 
 def _seconds_per_trial(study: optuna.Study) -> dict[str, float]:
@@ -467,13 +473,17 @@ def _measure(op: Op, shape: Any, params: Any, backend: Backend, trial: optuna.Tr
     return (evaluation.hot if objective == "hot" else evaluation.cold).median_us, kernel, ""
 
 
-def _finish(op, shape, study, done, valid, rejected, backend, objective, measured, reused, sampler, progress):
+def _finish(op, shape, study, done, valid, rejected, backend, objective, measured, reused, sampler, progress,
+            first=()):
     completed = sorted((k for k, o in done.items() if o.value is not None), key=lambda k: done[k].value)
     failed = {o.kernel: o.reason for o in done.values() if o.value is None}
     if not completed:
         raise MageError(f"tune: every measured variant failed; first failure: {next(iter(failed.values()), '?')}")
-    finalists: list[Variant] = [build(op, shape, op.params_from_dict(json.loads(k)), backend.arch)
-                                for k in completed[:FINALISTS]]
+    # The fastest by the study's one measurement each, and the peers' shapes (the space's `first`) wherever the
+    # study ranked them: one timing of each cannot tell configs within a percent or two apart, and the final
+    # round, beside the peers, is where a peer's own shape is to be beaten or kept (bench/NOTES.md, norms §16).
+    chosen = completed[:FINALISTS] + [k for k in completed[FINALISTS:] if k in first]
+    finalists: list[Variant] = [build(op, shape, op.params_from_dict(json.loads(k)), backend.arch) for k in chosen]
     if progress:
         progress("final", 0, len(finalists))
     timings, peer_configs, dropped = backend.final(finalists)

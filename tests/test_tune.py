@@ -364,6 +364,24 @@ def test_a_space_s_first_configs_are_measured_after_the_stored_winner_where_the_
     assert len(backend.evaluated) == len(set(backend.evaluated)) == 6
 
 
+def test_a_space_s_first_configs_join_the_final_round_wherever_the_study_ranked_them(recording_path, recording,
+                                                                                     recorded, tmp_path):
+    valid, _ = expand(OP, SHAPE, recorded)
+    timed_valid = [p for p in valid if hot_median(recording, OP.kernel_name(SHAPE, p)) is not None]
+    slowest = max(timed_valid, key=lambda p: hot_median(recording, OP.kernel_name(SHAPE, p)))
+    defaults = OP.params_to_dict(OP.params_from_dict({}))
+    first = (tuple((k, v) for k, v in OP.params_to_dict(slowest).items() if v != defaults[k]),)
+    backend = Recorder(recording_path)
+    result = run_tune(backend, dataclasses.replace(recorded, first=first), tmp_path, study_name="first-final",
+                      trials=FINALISTS + 3)
+    measured = [k for k in backend.evaluated if hot_median(recording, k) is not None]
+    fastest = sorted(measured, key=lambda k: hot_median(recording, k))[:FINALISTS]
+    name = OP.kernel_name(SHAPE, slowest)
+    assert name in measured and name not in fastest  # the study ranked it last ...
+    assert sorted(backend.finalists) == sorted([*fastest, name])  # ... and the final round still re-timed it
+    assert result.winner.name != name
+
+
 def test_the_norm_spaces_for_long_rows_start_from_the_triton_peer_s_kernel():
     for name in ("layernorm", "rmsnorm"):
         op = get_op(name)
@@ -373,6 +391,9 @@ def test_the_norm_spaces_for_long_rows_start_from_the_triton_peer_s_kernel():
         triton_w8 = op.params_from_dict({"template": "row", "threads": 256, "vector": 16, "hint": "none"})
         assert triton_w8 in valid and triton_w8.l2_ahead == 0 and triton_w8.min_blocks == 1
         assert triton_w8 in {op.params_from_dict(dict(values)) for values in space.first}
+        # Triton's 16 warps hold 4 rows per SM; ours of 512 threads does only when fitted to it
+        triton_w16 = dataclasses.replace(triton_w8, threads=512, min_blocks=4)
+        assert triton_w16 in valid and triton_w16 in {op.params_from_dict(dict(values)) for values in space.first}
         assert space.narrowed(threads=(512,)).first == space.first
 
 
