@@ -271,7 +271,7 @@ def variants(
     check_op_arch(op, arch, shape)
     left_out = ""
     space = load_space(op, preset, shape, sms=sms)
-    if sms is None and space != load_space(op, preset, shape, sms=1):  # the space gives a grid per SM
+    if space.needs_sms:
         try:
             space = load_space(op, preset, shape, sms=int(_gpu_facts()["sms"]))
         except NoGpuError:

@@ -230,7 +230,7 @@ def _row_norm_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float, 
             return go
 
         candidates["triton"] = [TorchSubject(f"triton/w{warps}", triton_run(warps),
-                                             {"num_warps": warps, "BLOCK": block, "outputs": output_of.where("y")})
+                                             {"num_warps": warps, "BLOCK": block, "outputs": output_of.where("y", x.shape, x.dtype)})
                                 for warps in TRITON_WARPS]
     return candidates
 
@@ -360,13 +360,15 @@ class _Outputs:
         self.shared = shared
 
     def __call__(self, name: str, shape: tuple[int, ...], dtype: Any) -> Any:
-        held = self.shared.get(name)
-        if held is not None and tuple(held.shape) == tuple(shape) and held.dtype == dtype:
-            return held
-        return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+        held = self._held(name, shape, dtype)
+        return held if held is not None else torch.full(shape, float("nan"), dtype=dtype, device="cuda")
 
-    def where(self, name: str) -> str:
-        return "the kernel's own, shared" if name in self.shared else "a tensor of its own"
+    def where(self, name: str, shape: tuple[int, ...], dtype: Any) -> str:
+        return "a tensor of its own" if self._held(name, shape, dtype) is None else "the kernel's own, shared"
+
+    def _held(self, name: str, shape: tuple[int, ...], dtype: Any) -> Any:
+        held = self.shared.get(name)
+        return held if held is not None and tuple(held.shape) == tuple(shape) and held.dtype == dtype else None
 
     def poison(self) -> None:
         for held in self.shared.values():

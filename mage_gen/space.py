@@ -27,6 +27,8 @@ class Space:
     # every other axis at the op's default: the shapes of the peers' kernels, so that no search over a space
     # that holds a peer's shape can miss it
     first: tuple[tuple[tuple[str, Any], ...], ...] = ()
+    # the spec gives some axis values per SM ("4/SM") and no SM count was given: those values are left out
+    needs_sms: bool = False
 
     def narrowed(self, **values: tuple[Any, ...]) -> Space:
         """The same space with some axes given fewer values."""
@@ -68,9 +70,10 @@ def load_space(op: Op, preset: str | None = None, shape: Any = None, sms: int | 
             raise ConfigError(f"space: preset {preset} of {path.name} narrows unknown axis {name!r}")
         axes[name] = values
     fitted = {k: _on_device(v, sms) for k, v in axes.items()}
+    needs_sms = sms is None and any(isinstance(v, str) and _PER_SM.fullmatch(v) for vs in axes.values() for v in vs)
     if shape is not None:
         fitted = op.fit_space(shape, fitted)
-    return Space(op=op.name, preset=preset, axes=tuple(fitted.items()), first=_first(path, spec))
+    return Space(op=op.name, preset=preset, axes=tuple(fitted.items()), first=_first(path, spec), needs_sms=needs_sms)
 
 
 def _on_device(values: list[Any], sms: int | None) -> tuple[Any, ...]:

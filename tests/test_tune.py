@@ -403,6 +403,8 @@ def test_a_grid_given_per_sm_is_sized_for_the_gpu_the_space_is_loaded_for():
         assert dict(load_space(op, "full", sms=100).axes)["grid_cap"] == (0, 400)
         assert dict(load_space(op, "quick", sms=132).axes)["grid_cap"] == (0, 528)
         assert dict(load_space(op, "full").axes)["grid_cap"] == (0,)  # no GPU named: no grid to size
+        assert load_space(op, "full").needs_sms and not load_space(op, "full", sms=132).needs_sms
+    assert not load_space(get_op("matmul"), "quick").needs_sms  # no value of it is given per SM
 
 
 def test_a_first_table_naming_an_unknown_axis_is_a_one_line_error(tmp_path, monkeypatch):
