@@ -474,7 +474,7 @@ def _measure(op: Op, shape: Any, params: Any, backend: Backend, trial: optuna.Tr
 
 
 def _finish(op, shape, study, done, valid, rejected, backend, objective, measured, reused, sampler, progress,
-            first=()):
+            first):
     completed = sorted((k for k, o in done.items() if o.value is not None), key=lambda k: done[k].value)
     failed = {o.kernel: o.reason for o in done.values() if o.value is None}
     if not completed:
