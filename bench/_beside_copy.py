@@ -4,6 +4,9 @@ checked intact after."""
 
 from __future__ import annotations
 
+import contextlib
+
+from _common import winner_params
 from _copy import FLOOR, copy_subjects, settle
 
 from mage_gen.dtypes import dtype
@@ -74,3 +77,29 @@ def time_beside_copy(op, shape, run: dict, variants: dict, label: str, seed: int
             "timings": {n: {"hot": hot[n].to_dict(), "cold": cold[n].to_dict()} for n in [*names, FLOOR]},
             "fraction_of_copy": {n: {meth: t[FLOOR].median_us / t[n].median_us for meth, t in (("hot", hot), ("cold", cold))}
                                  for n in names}}
+
+
+@contextlib.contextmanager
+def winner_beside_peers(op, shape, run: dict, device):
+    """(bench, the stored winner's subject "mage-gen", its peers, {peer: why missing}): the winner gated and its
+    peers (torch, Inductor, Triton on the winner's y) gated at placement 0 of one Bench; all closed after."""
+    variant = build(op, shape, winner_params(op, shape, device, False, [], run=run), device.arch)
+    bench = Bench(op, shape, run, seed=run["m"] + shape.d)
+    kernel = bench.load(variant)
+    subjects = []
+    try:
+        subject, checked = bench.checked_subject(variant, kernel, name="mage-gen", placement=0)
+        if subject is None:
+            raise SystemExit(f"{op.name} {run} {variant.source.kernel_name}: failed the gate: {checked.reason}")
+        subjects.append(subject)
+        place = bench.placement(0)
+        peers, missing = make_peers(op, shape, run, bench.timing_inputs(), None, check=bench.check_tensor,
+                                    inductor=True, device_inputs=place.input_pointers(),
+                                    device_outputs=place.output_pointers())
+        subjects += peers
+        yield bench, subject, peers, missing
+    finally:
+        for s in subjects:
+            s.close()
+        kernel.unload()
+        bench.free_placements()

@@ -77,23 +77,29 @@ def _candidates(nbytes: int, sources: tuple = ()) -> list[TorchSubject]:
     return subjects
 
 
-def copy_subjects(nbytes: int, sources: tuple = ()) -> list[TorchSubject]:
-    """The fastest hot and the fastest cold of the copies of nbytes (half read, half written), and of the given
-    source tensors (the kernel's own activations, read where the kernel reads them), to be timed in the bench's
-    own rounds; copy_floor then takes the faster of them per method."""
+def picked_copies(nbytes: int, sources: tuple = ()) -> dict[str, TorchSubject]:
+    """{"hot": the fastest hot, "cold": the fastest cold} (one subject where one copy is both) of the copies of
+    nbytes (half read, half written) and of the given source tensors (the kernel's own activations, read where
+    the kernel reads them); the others closed."""
     subjects = _candidates(nbytes, sources)
-    picked = []
+    picked = {}
     for method in ("hot", "cold"):
         timings = interleave(subjects, method, _PICK_ROUNDS, _PICK_PER_ROUND)
         best = min(subjects, key=lambda s: timings[s.name].median_us)
         best.config.setdefault("picked_from", {})[method] = {s.name.removeprefix(FLOOR + "/"): round(timings[s.name].median_us, 3)
                                                               for s in subjects}
-        if best not in picked:
-            picked.append(best)
+        picked[method] = best
     for s in subjects:
-        if s not in picked:
+        if s not in picked.values():
             s.close()
     return picked
+
+
+def copy_subjects(nbytes: int, sources: tuple = ()) -> list[TorchSubject]:
+    """The fastest hot and the fastest cold of the copies (picked_copies), to be timed in the bench's own rounds;
+    settle then takes the faster of them per method."""
+    picked = picked_copies(nbytes, sources)
+    return [picked["hot"]] + ([picked["cold"]] if picked["cold"] is not picked["hot"] else [])
 
 
 def settle(copies: list[TorchSubject], *tables: dict[str, Timing]) -> dict[str, str]:
@@ -109,8 +115,10 @@ def settle(copies: list[TorchSubject], *tables: dict[str, Timing]) -> dict[str, 
     return fastest
 
 
-METHOD = ("the fastest of the copies of the same bytes (half read, half written): Triton copy kernels over "
-          f"{len(_BLOCKS)} block sizes × num_warps {'/'.join(map(str, _WARPS))} and torch's copy_ (a memcpy node "
-          "in a graph), of a buffer of their own and of the kernel's own activations (x, and the residual in one "
-          "launch with it), read where the kernel reads them; a pass of {_PICK_ROUNDS}×{_PICK_PER_ROUND} picks the fastest hot and cold, which are "
-          "then timed interleaved with the kernels; each method's floor is the faster of them there")
+CANDIDATES = (f"Triton copy kernels over {len(_BLOCKS)} block sizes × num_warps {'/'.join(map(str, _WARPS))} and "
+              "torch's copy_ (a memcpy node in a graph), of a buffer of their own and of the kernel's own "
+              "activations (x, and the residual in one launch with it), read where the kernel reads them")
+METHOD = (f"the fastest of the copies of the same bytes (half read, half written): {CANDIDATES}; a pass of "
+          f"{_PICK_ROUNDS}×{_PICK_PER_ROUND} picks the fastest hot and cold, which are then timed interleaved with "
+          "the kernels; each method's floor is the faster of them there")
+PICK = f"a pass of {_PICK_ROUNDS}×{_PICK_PER_ROUND} samples per method"

@@ -18,21 +18,22 @@ import json
 import sys
 
 from mage_gen import dispatch, gpu
-from mage_gen.measure import Bench, interleave
+from mage_gen.measure import Bench, common_to_every_placement, interleave_placed
 from mage_gen.ops import get_op
 from mage_gen.dtypes import dtype
 from mage_gen.peers import make_peers, on_gpu
 from mage_gen.variants import build
 
-from _copy import FLOOR, copy_subjects, settle  # bench/_copy.py
-from _copy import METHOD as COPY_METHOD
+from _copy import CANDIDATES as COPY_CANDIDATES
+from _copy import FLOOR, PICK, picked_copies  # bench/_copy.py
 from _common import geomean, provenance, timing_method, winner_params, write_result  # bench/_common.py, beside this script
 
 SHAPES = [(4096, 768), (4096, 4096), (4096, 8192), (65536, 768), (32768, 4096), (16384, 8192)]
 OPS = ("layernorm", "rmsnorm")
 DTYPE = "bf16"
 PEERS = ("torch", "inductor", "triton")
-ROUNDS, PER_ROUND = 4, 5
+PLACEMENTS = 4  # of the inputs and outputs (mage_gen.measure.Placement)
+ROUNDS, PER_ROUND = 4, 5  # round r at placement r % PLACEMENTS
 DRAM_L2S = 2  # a shape is DRAM-bound where it moves at least this many L2s of bytes
 
 
@@ -55,39 +56,64 @@ def bench_shape(op, shape, m: int, params, device) -> dict:
     head = {"op": op.name, "m": m, "d": shape.d, "residual": shape.residual, "dtype": shape.dtype,
             "kernel": variant.source.kernel_name, "params": op.params_to_dict(params), "bytes_moved": moved,
             "regime": "dram" if moved >= DRAM_L2S * device.l2_bytes else "l2"}
+    opened, hot_groups, cold_groups = [], [], []
+    peer_configs, copy_configs, missing, checks = {}, {}, {}, {}
     try:
-        # Every subject reads one copy of the inputs: the same bytes read from another allocation can take a
-        # few percent more or less (NOTES.md, norms §10).
-        subject, checked = bench.checked_subject(variant, kernel, name="mage-gen", share_inputs=True)
+        # At each placement every subject reads one copy of the inputs, and the kernel and the Triton peer write
+        # one y (and residual_out): where x and y lie moves a DRAM-bound norm by 2-4% either way and favours one
+        # kernel over another (NOTES.md, norms §10, §15); the rounds visit the placements in turn.
+        subject, checked = bench.checked_subject(variant, kernel, name="mage-gen", placement=0)
         if subject is None:
             return {**head, "gate": checked.to_dict()}
-        buffers = bench.timing_buffers()
-        # and Triton's kernel writes the kernel's own y (and residual_out): where y lies moves either by 2-4% at
-        # the DRAM-bound shapes (NOTES.md, norms §15)
-        peers, missing = make_peers(op, shape, run, subject.bound.inputs, None, check=bench.check_tensor,
-                                    inductor=True, device_inputs={k: b.ptr for k, b in buffers.items()},
-                                    device_outputs=subject.bound.output_pointers())
-        activations = [on_gpu(buffers[k].ptr, subject.bound.inputs[k].shape, dtype(shape.dtype))
-                       for k in ("x", "residual") if k in buffers]
-        copies = copy_subjects(moved, tuple(activations))
-        everyone = [subject, *peers, *copies]
-        hot = interleave(everyone, "hot", ROUNDS, PER_ROUND)
-        cold = interleave(everyone, "cold", ROUNDS, PER_ROUND)
-        subject.close()
-        floors = settle(copies, hot, cold)
+        opened.append(subject)
+        for p in range(PLACEMENTS):
+            place = bench.placement(p)
+            if p:
+                subject, err, reason = bench.checked_at(variant, kernel, "mage-gen", placement=p)
+                if subject is None:
+                    return {**head, "gate": {**checked.to_dict(), "passed": False,
+                                             "reason": f"placement {p}: {reason}"}}
+                opened.append(subject)
+                checks[f"placement {p}"] = err
+            peers, lacking = make_peers(op, shape, run, subject.bound.inputs, None, check=bench.check_tensor,
+                                        inductor=True, device_inputs=place.input_pointers(),
+                                        device_outputs=place.output_pointers())
+            opened.extend(peers)
+            missing.update({name: f"placement {p}: {why}" for name, why in lacking.items()})
+            for peer in peers:
+                peer_configs.setdefault(peer.name, []).append(peer.config)
+            activations = [on_gpu(place.inputs[k].ptr, subject.bound.inputs[k].shape, dtype(shape.dtype))
+                           for k in ("x", "residual") if k in place.inputs]
+            picked = picked_copies(moved, tuple(activations))
+            for method, copy in picked.items():
+                copy_configs.setdefault(method, []).append({"copy": copy.name.removeprefix(FLOOR + "/"),
+                                                            **copy.config})
+            opened.extend({id(c): c for c in picked.values()}.values())
+            hot_groups.append([subject, *peers, _as_floor(picked["hot"])])
+            cold_groups.append([subject, *peers, _as_floor(picked["cold"])])
+        hot_groups, left_out = common_to_every_placement(hot_groups)
+        cold_groups, _ = common_to_every_placement(cold_groups)
+        missing.update({name: "missing at some placement" for name in left_out if name not in missing})
+        hot, hot_at = interleave_placed(hot_groups, "hot", ROUNDS, PER_ROUND)
+        cold, cold_at = interleave_placed(cold_groups, "cold", ROUNDS, PER_ROUND)
         changed = bench.inputs_changed()
         if changed:
             raise SystemExit(f"{op.name} {m}x{shape.d}: a kernel or peer wrote into its inputs {changed}; "
                              "every subject reads them in place, so none of this shape's figures can stand")
     finally:
+        for s in opened:
+            s.close()
         kernel.unload()
+        bench.free_placements()
     result = {
         **head, "census": {k: variant.census.to_dict()[k] for k in ("registers", "spill_bytes", "bar_sync",
                                                                     "half_widen", "half_narrow")},
-        "gate": checked.to_dict(),
+        "gate": {**checked.to_dict(), "at the other placements": checks},
         "timings": {name: {"hot": hot[name].to_dict(), "cold": cold[name].to_dict()} for name in hot},
-        "peer_configs": {p.name: p.config for p in peers}, "peers_missing": missing,
-        "copy_configs": {c.name: c.config for c in copies}, "copy_floor_is": floors,
+        "by_placement": {name: {"hot": [round(t[name].median_us, 3) for t in hot_at],
+                                "cold": [round(t[name].median_us, 3) for t in cold_at]} for name in hot},
+        "peer_configs": {name: {**c[0], "at the other placements": c[1:]} for name, c in peer_configs.items()},
+        "peers_missing": missing, "copy_configs": copy_configs,
     }
     for method, table in (("hot", hot), ("cold", cold)):
         mine = table["mage-gen"]
@@ -101,6 +127,12 @@ def bench_shape(op, shape, m: int, params, device) -> dict:
         # the copy of the same bytes, timed the same way in the same rounds, over this kernel's time
         result[f"{method}_fraction_of_copy"] = table[FLOOR].median_us / mine.median_us
     return result
+
+
+def _as_floor(copy):
+    """A placement's pick of the copies, timed under the one name the floor has at every placement."""
+    copy.name = FLOOR
+    return copy
 
 
 def main() -> None:
@@ -159,17 +191,23 @@ def main() -> None:
                     "rounded to bf16 (y within one bf16 ulp in relative norm, residual_out bit for bit); then M rows "
                     "of the timing inputs, compared on the GPU; peers gated on the timing inputs the same way",
             "dispatch": "each shape's kernel is the tuned size class mage_gen.dispatch picks for its M",
-            "inputs": "one copy of each shape's inputs on the GPU, read in place by the kernel, every peer and the "
-                      "copies of the floor that read the kernel's activations, and checked bit for bit after the "
-                      "rounds",
+            "inputs": f"{PLACEMENTS} copies of each shape's inputs on the GPU (placements: the second and later "
+                      "each after a spacer 3 MB longer than the last), each read in place by the kernel, every peer "
+                      "and the copies of the floor that read the kernel's activations, and checked bit for bit "
+                      "after the rounds; the kernel is checked again on each placement's inputs, and every peer "
+                      "gated there",
+            "placements": f"round r is taken at placement r % {PLACEMENTS}; medians and spreads are of the samples "
+                          "pooled over the placements (by_placement: each placement's median)",
             "peers": "torch: F.layer_norm / F.rms_norm (of x + residual, computed first, in the residual form); "
                      "inductor: torch.compile(fullgraph=True, dynamic=False) of that eager code; triton: one "
                      "program per row, bf16 loads, fp32 math, best num_warps of 2/4/8/16 by hot time",
-            "outputs": "the kernel writes y (and residual_out) into the bench's fenced buffers; the Triton peer "
-                       "writes into the same memory (its gate after a NaN fill of it); torch and Inductor "
-                       "allocate their own",
+            "outputs": "at each placement the kernel writes y (and residual_out) into that placement's fenced "
+                       "buffers; the Triton peer writes into the same memory (its gate after a NaN fill of it); "
+                       "torch and Inductor allocate their own",
             **timing_method(ROUNDS, PER_ROUND),
-            "floor:copy": "bytes_moved / 2 bytes read and as many written (what the norm moves): " + COPY_METHOD,
+            "floor:copy": "bytes_moved / 2 bytes read and as many written (what the norm moves): the fastest "
+                          f"hot, and the fastest cold, of {COPY_CANDIDATES}, picked at each placement by {PICK}; "
+                          "each timed in its method's rounds as the floor at that placement",
             "regime": f"dram where bytes moved ≥ {DRAM_L2S}× the GPU's L2",
         },
         **provenance(device), "shapes": rows, "summary": summary,

@@ -10,12 +10,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from mage_gen.errors import MageError
-from mage_gen.measure import Bench, Evaluation, GateResult, interleave
+from mage_gen.measure import Bench, Evaluation, GateResult, common_to_every_placement, interleave_placed
 from mage_gen.ops import Op
 from mage_gen.timing import Timing
 
-FINAL_ROUNDS = 5
-FINAL_PER_ROUND = 6
+FINAL_PLACEMENTS = 4  # of the inputs and outputs (measure.Placement); each round at the next
+FINAL_ROUNDS = 4
+FINAL_PER_ROUND = 8
 
 
 class Backend(Protocol):
@@ -49,38 +50,64 @@ class GpuBackend:
     def final(self, variants):
         from mage_gen.peers import make_peers  # torch and Triton: imported where peers are timed, not before
 
-        subjects, kernels, dropped = [], [], {}
+        placed: list[list[Any]] = []
+        loaded, kernels, opened, dropped = [], [], [], {}
         try:
             for v in variants:
                 kernel = self.bench.load(v)
                 kernels.append(kernel)
-                # one copy of the inputs for every finalist and peer: the same bytes read from another
-                # allocation can take a few percent more or less, enough to reorder finalists
-                subject, result = self.bench.checked_subject(v, kernel, share_inputs=True)
+                # every finalist and peer reads one copy of the inputs and writes one set of outputs, at each of
+                # the placements in turn: the same bytes read or written at other addresses can take a few
+                # percent more or less, and at one placement favour one finalist, at another another
+                subject, result = self.bench.checked_subject(v, kernel, placement=0)
                 if subject is not None:
-                    subjects.append(subject)
+                    opened.append(subject)
+                    loaded.append((v, kernel, [subject]))
                 else:
                     dropped[v.source.kernel_name] = result.reason
-            if not subjects:  # nothing left to compare the peers with
+            if not loaded:  # nothing left to compare the peers with
                 return {}, {}, dropped
             inputs = self.bench.timing_inputs()  # the finalists' own, judged against the reference on the GPU
-            peers, missing = make_peers(self.op, self.shape, self.run, inputs, None, check=self.bench.check_tensor,
-                                        device_inputs={k: b.ptr for k, b in self.bench.timing_buffers().items()})
-            everyone = [*subjects, *peers]
-            hot = interleave(everyone, "hot", FINAL_ROUNDS, FINAL_PER_ROUND)
-            cold = interleave(everyone, "cold", FINAL_ROUNDS, FINAL_PER_ROUND)
+            peer_configs: dict[str, list[dict[str, Any]]] = {}
+            for p in range(FINAL_PLACEMENTS):
+                group = []
+                for v, kernel, at in loaded:
+                    if p:
+                        subject, _, reason = self.bench.checked_at(v, kernel, placement=p)
+                        if subject is None:
+                            dropped[v.source.kernel_name] = f"placement {p}: {reason}"
+                            continue
+                        opened.append(subject)
+                        at.append(subject)
+                    group.append(at[p])
+                place = self.bench.placement(p)
+                peers, missing = make_peers(self.op, self.shape, self.run, inputs, None, check=self.bench.check_tensor,
+                                            device_inputs=place.input_pointers(),
+                                            device_outputs=place.output_pointers())
+                dropped.update(missing)
+                opened.extend(peers)
+                for peer in peers:
+                    peer_configs.setdefault(peer.name, []).append(peer.config)
+                placed.append([*group, *peers])
+            placed, _ = common_to_every_placement(placed)
+            hot, _ = interleave_placed(placed, "hot", FINAL_ROUNDS, FINAL_PER_ROUND)
+            cold, _ = interleave_placed(placed, "cold", FINAL_ROUNDS, FINAL_PER_ROUND)
             changed = self.bench.inputs_changed()
             if changed:
                 raise MageError(f"tune: after the final round the shared inputs {', '.join(changed)} no longer hold "
                                 "what was uploaded: a finalist or peer writes into its inputs; the trials are kept, "
                                 "rerun with a preset that leaves that config out")
-            timings = {s.name: {"hot": hot[s.name], "cold": cold[s.name]} for s in everyone}
-            return timings, {p.name: p.config for p in peers}, {**dropped, **missing}
+            timings = {name: {"hot": hot[name], "cold": cold[name]} for name in hot}
+            # a peer's config as picked at the first placement; Triton's num_warps is picked again at each
+            configs = {name: {**c[0], "at the other placements": c[1:]} for name, c in peer_configs.items()
+                       if name in hot}
+            return timings, configs, dropped
         finally:
-            for s in subjects:
-                s.close()
+            for subject in opened:
+                subject.close()
             for k in kernels:
                 k.unload()
+            self.bench.free_placements()
 
 
 class ReplayBackend:

@@ -227,6 +227,32 @@ class EventPair:
                 _check(cu.cuEventDestroy(event), "cuEventDestroy")
 
 
+class EventSeries:
+    """Events recorded in turn on a stream: the device time between each and the next."""
+
+    def __init__(self, count: int) -> None:
+        self.events: list[Any] = []
+        try:
+            for _ in range(count):
+                self.events.append(_check(cu.cuEventCreate(0), "cuEventCreate"))
+        except BaseException:
+            self.destroy()
+            raise
+
+    def record(self, index: int, stream: Any) -> None:
+        _check(cu.cuEventRecord(self.events[index], stream), "cuEventRecord")
+
+    def gaps_us(self) -> list[float]:
+        _check(cu.cuEventSynchronize(self.events[-1]), "cuEventSynchronize")
+        return [float(_check(cu.cuEventElapsedTime(a, b), "cuEventElapsedTime")) * 1000.0
+                for a, b in zip(self.events, self.events[1:])]
+
+    def destroy(self) -> None:
+        for event in self.events:
+            _check(cu.cuEventDestroy(event), "cuEventDestroy")
+        self.events = []
+
+
 def synchronize() -> None:
     _check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
 

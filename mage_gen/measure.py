@@ -7,6 +7,9 @@ their float64 reference is computed once per Bench and the comparison runs on th
 costs milliseconds per trial, not seconds of CPU.
 Hot: launches captured in a CUDA graph and replayed, median per launch, inputs L2-warm.
 Cold: the L2 flushed by writing a buffer several times its size before each timed launch.
+Either way the GPU is held (hold) while the host queues a sample, so that a sample is the GPU's time alone.
+Where a bench or the tuner's final round compares subjects, it times each at several placements of the inputs
+and outputs (Placement) and pools the samples.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ GUARD_BYTES = 4096  # fenced on each side of every output
 GUARD_BITS = {4: 0x7FBADBAD, 2: 0x7FBD}
 FLUSH_BYTES = 256 << 20  # over 4× the H200's 60 MB L2
 HOT_LAUNCHES_PER_GRAPH = 20
+# How long the GPU is held before each timed sample while the host queues it (hold): longer than any subject's host
+# path from the flush to its launch (Inductor's guards, Triton's launcher: tens of microseconds)
+HOLD_US = 1000
 
 
 @dataclass(frozen=True)
@@ -63,16 +69,22 @@ def widen(out: np.ndarray) -> np.ndarray:
     return of_storage(out.dtype).widen(out)
 
 
+def fenced_output(shape: tuple[int, ...], element: DType) -> gpu.Buffer:
+    """Room for an output with GUARD_BYTES of fence on each side."""
+    return gpu.Buffer(int(np.prod(shape)) * element.itemsize + 2 * GUARD_BYTES)
+
+
 class Bound:
     """A kernel bound to device buffers for one run size: inputs uploaded, outputs fenced."""
 
     def __init__(self, op: Op, shape: Any, params: Any, kernel: gpu.Kernel, run: dict[str, int],
                  inputs: dict[str, np.ndarray], on_device: dict[str, gpu.Buffer] | None = None,
-                 share_inputs: bool = False):
+                 share_inputs: bool = False, outputs: dict[str, gpu.Buffer] | None = None):
         """on_device: the inputs already uploaded; each is copied on the device into this run's own buffer
         (a kernel that writes into an input spoils only its own copy), or with share_inputs read where it is:
         the same memory the peers of a bench read, whose placement moves a DRAM-bound kernel's time by percents
-        (bench/NOTES.md, norms §10)."""
+        (bench/NOTES.md, norms §10). outputs: fenced buffers of the outputs (a Placement's) to write into, shared
+        with whatever else is timed there, in place of buffers of this run's own."""
         self.op, self.kernel, self.run = op, kernel, run
         self.launch_geometry = op.geometry(shape, params, run)
         self.inputs = inputs
@@ -94,8 +106,11 @@ class Bound:
                 else:
                     self.buffers[name].copy_from(on_device[name])
             for name, out_shape in self.output_shapes.items():
-                body = int(np.prod(out_shape)) * self.output_dtypes[name].itemsize
-                self.buffers[name] = gpu.Buffer(body + 2 * GUARD_BYTES)
+                if outputs is not None:
+                    self.buffers[name] = outputs[name]
+                    self._borrowed.add(name)
+                else:
+                    self.buffers[name] = fenced_output(out_shape, self.output_dtypes[name])
             scalars = op.scalars(shape, run)
             values: list[tuple[str, int | float]] = []
             outputs = self.output_pointers()
@@ -335,6 +350,21 @@ class Subject(Protocol):
 
 
 @cache
+def _hold_kernel() -> gpu.Kernel:
+    source = render("measure/hold.cu.j2", {}, "mage_gen_hold", None)
+    return gpu.Kernel(compile_source(source, gpu.open_device().arch).cubin, source.kernel_name)
+
+
+def hold(stream: Any) -> None:
+    """Keeps `stream` busy for HOLD_US, so that what the host queues next (a flush, the start event, the launches,
+    the stop event) runs back to back. A start event recorded on an idle GPU is stamped at once, and the sample
+    would count the host's time to reach the launch: microseconds, tens of percent of a short kernel, and not the
+    same for cuda-python, torch, Triton's launcher or Inductor's guards."""
+    if HOLD_US:
+        _hold_kernel().launch((1, 1, 1), (1, 1, 1), 0, gpu.KernelArgs([("i64", HOLD_US * 1000)]), stream)
+
+
+@cache
 def flush_buffer() -> gpu.Buffer:
     return gpu.Buffer(FLUSH_BYTES)
 
@@ -352,18 +382,23 @@ class KernelSubject:
             self._graph = self.stream.capture(
                 lambda handle: [self.bound.enqueue(handle) for _ in range(HOT_LAUNCHES_PER_GRAPH)])
             self._graph.launch(self.stream)  # warm-up: inputs into L2, code into the instruction cache
-        samples = []
-        for _ in range(replays):
-            self.events.start(self.stream)
-            self._graph.launch(self.stream)
-            self.events.stop(self.stream)
-            samples.append(self.events.elapsed_us() / HOT_LAUNCHES_PER_GRAPH)
-        return samples
+        # the replays back to back behind a hold, an event between each and the next
+        events = gpu.EventSeries(replays + 1)
+        try:
+            hold(self.stream.handle)
+            for i in range(replays):
+                events.record(i, self.stream.handle)
+                self._graph.launch(self.stream)
+            events.record(replays, self.stream.handle)
+            return [gap / HOT_LAUNCHES_PER_GRAPH for gap in events.gaps_us()]
+        finally:
+            events.destroy()
 
     def cold(self, count: int) -> list[float]:
         flush = flush_buffer()
         samples = []
         for i in range(count):
+            hold(self.stream.handle)
             flush.fill32(i, self.stream.handle)
             self.events.start(self.stream)
             self.bound.enqueue(self.stream.handle)
@@ -381,12 +416,35 @@ class KernelSubject:
 
 def interleave(subjects: Sequence[Subject], method: str, rounds: int, per_round: int) -> dict[str, Timing]:
     """Round-robin sampling, so drift in clocks or temperature falls on every subject alike."""
-    samples: dict[str, list[float]] = {s.name: [] for s in subjects}
-    for _ in range(rounds):
-        for subject in subjects:
+    return interleave_placed([subjects], method, rounds, per_round)[0]
+
+
+def interleave_placed(placed: Sequence[Sequence[Subject]], method: str, rounds: int, per_round: int
+                      ) -> tuple[dict[str, Timing], list[dict[str, Timing]]]:
+    """interleave, round r taken at placement r % len(placed) (placed[p]: the subjects timed there, the same
+    names at every placement): each name's samples pooled over the placements, and each placement's own."""
+    names = [s.name for s in placed[0]]
+    if any(sorted(s.name for s in group) != sorted(names) for group in placed):
+        raise ValueError("interleave_placed: every placement must hold the same subjects")
+    samples: list[dict[str, list[float]]] = [{name: [] for name in names} for _ in placed]
+    for r in range(rounds):
+        at = r % len(placed)
+        for subject in placed[at]:
             take = subject.hot if method == "hot" else subject.cold
-            samples[subject.name].extend(take(per_round))
-    return {name: Timing.from_samples(method, values) for name, values in samples.items()}
+            samples[at][subject.name].extend(take(per_round))
+    pooled = {name: Timing.from_samples(method, [v for by in samples for v in by[name]]) for name in names}
+    # a placement no round reached (fewer rounds than placements) has no timing
+    return pooled, [{name: Timing.from_samples(method, values) for name, values in by.items()}
+                    for by in samples[:min(rounds, len(placed))]]
+
+
+def common_to_every_placement(placed: Sequence[Sequence[Any]]) -> tuple[list[list[Any]], list[str]]:
+    """The subjects whose name every placement holds, per placement, and the names some placement lacks (a
+    kernel or peer that failed its check there): those are timed nowhere (closing them is the caller's, with
+    the rest)."""
+    names = set.intersection(*({s.name for s in group} for group in placed)) if placed else set()
+    kept = [[s for s in group if s.name in names] for group in placed]
+    return kept, sorted({s.name for group in placed for s in group} - names)
 
 
 # ---- one GPU, one op and size: what the tuner and the benches call ----
@@ -404,6 +462,53 @@ class Evaluation:
                 "cold": self.cold.to_dict() if self.cold else None}
 
 
+# Between one placement's buffers and the last's: a spacer 3 MB longer per placement, so that each set lies on
+# other pages
+PLACEMENT_SPACER_BYTES = 3 << 20
+
+
+class Placement:
+    """The timing inputs at addresses of their own, and one set of fenced outputs that everything timed there
+    writes. Where x and y lie moves a DRAM-bound norm's time by 2-4% either way, and favours one kernel over
+    another (bench/NOTES.md, norms §15): a ranking or ratio taken at one placement is that placement's. So
+    rounds are taken at several, every subject timed at each, all of them reading and writing the same memory
+    there. Placement 0 reads the timing buffers themselves; a later one a copy of them, after a spacer."""
+
+    def __init__(self, index: int, source: dict[str, gpu.Buffer], output_shapes: dict[str, tuple[int, ...]],
+                 output_dtypes: dict[str, DType]):
+        self.index = index
+        self._owned: list[gpu.Buffer] = []
+        try:
+            if index:
+                self._owned.append(gpu.Buffer(index * PLACEMENT_SPACER_BYTES))
+                self.inputs = {}
+                for name, buf in source.items():
+                    self.inputs[name] = gpu.Buffer(buf.nbytes)
+                    self._owned.append(self.inputs[name])
+                    self.inputs[name].copy_from(buf)
+            else:
+                self.inputs = dict(source)
+            self.outputs = {}
+            for name, out_shape in output_shapes.items():
+                self.outputs[name] = fenced_output(out_shape, output_dtypes[name])
+                self._owned.append(self.outputs[name])
+        except BaseException:
+            self.free()
+            raise
+
+    def input_pointers(self) -> dict[str, int]:
+        return {name: buf.ptr for name, buf in self.inputs.items()}
+
+    def output_pointers(self) -> dict[str, int]:
+        """Where each output's elements begin, past its fence."""
+        return {name: buf.ptr + GUARD_BYTES for name, buf in self.outputs.items()}
+
+    def free(self) -> None:
+        for buf in self._owned:
+            buf.free()
+        self._owned.clear()
+
+
 class Bench:
     """Loads, gates and times variants of one op and size on the current GPU."""
 
@@ -416,6 +521,7 @@ class Bench:
         self._timing_inputs: dict[str, np.ndarray] | None = None
         self._timing_on_device: dict[str, gpu.Buffer] | None = None
         self._timing_reference: DeviceReference | None = None
+        self._placements: list[Placement] = []
 
     def load(self, variant: Any) -> gpu.Kernel:
         launch = self.op.geometry(self.shape, variant.params, self.run)
@@ -454,15 +560,38 @@ class Bench:
         gpu.synchronize()  # what other streams (torch's) still have queued
         changed = []
         for name, array in self.timing_inputs().items():
-            held = self.timing_buffers()[name].download(np.uint8)
-            if not np.array_equal(held, np.ascontiguousarray(array).view(np.uint8).ravel()):
-                changed.append(name)
+            expected = np.ascontiguousarray(array).view(np.uint8).ravel()
+            for place in [None, *self._placements[1:]]:
+                held = (self.timing_buffers() if place is None else place.inputs)[name].download(np.uint8)
+                if not np.array_equal(held, expected):
+                    changed.append(name if place is None else f"{name} (placement {place.index})")
         return changed
 
+    def placement(self, index: int) -> Placement:
+        """The timing inputs and shared outputs at placement `index` (0: the timing buffers themselves), made
+        once each and kept until free_placements."""
+        while len(self._placements) <= index:
+            self._placements.append(Placement(len(self._placements), self.timing_buffers(),
+                                              self.op.output_shapes(self.shape, self.run),
+                                              self.op.output_dtypes(self.shape)))
+        return self._placements[index]
+
+    def free_placements(self) -> None:
+        """Frees what the placements allocated (not the timing buffers); their subjects must be closed first."""
+        for place in self._placements:
+            place.free()
+        self._placements.clear()
+
     def subject(self, variant: Any, kernel: gpu.Kernel, name: str | None = None,
-                share_inputs: bool = False) -> KernelSubject:
-        bound = Bound(self.op, self.shape, variant.params, kernel, self.run, self.timing_inputs(),
-                      on_device=self.timing_buffers(), share_inputs=share_inputs)
+                share_inputs: bool = False, placement: int | None = None) -> KernelSubject:
+        """placement: read that placement's inputs and write its shared outputs (share_inputs is then implied)."""
+        if placement is not None:
+            place = self.placement(placement)
+            bound = Bound(self.op, self.shape, variant.params, kernel, self.run, self.timing_inputs(),
+                          on_device=place.inputs, share_inputs=True, outputs=place.outputs)
+        else:
+            bound = Bound(self.op, self.shape, variant.params, kernel, self.run, self.timing_inputs(),
+                          on_device=self.timing_buffers(), share_inputs=share_inputs)
         # Fences poisoned from the start: what is read back from them after timing is then a real check,
         # not uninitialised memory.
         bound.poison(self.stream)
@@ -488,13 +617,27 @@ class Bench:
                                                   {name: self.op.tolerance_of(self.shape, name, narrow)})
 
     def checked_subject(self, variant: Any, kernel: gpu.Kernel, name: str | None = None,
-                        share_inputs: bool = False) -> tuple[KernelSubject | None, GateResult]:
-        """Gate (fresh inputs at the op's gate sizes), then one launch at the timed size on the timing inputs
-        into a poisoned, fenced output, compared on the GPU: a subject only for a kernel that passed both."""
+                        share_inputs: bool = False, placement: int | None = None
+                        ) -> tuple[KernelSubject | None, GateResult]:
+        """Gate (fresh inputs at the op's gate sizes), then checked_at: a subject only for a kernel that passed
+        both."""
         result = gate(self.op, self.shape, variant.params, kernel, self.run, self.rng, self.stream, self.cases)
         if not result.passed:
             return None, result
-        subject = self.subject(variant, kernel, name, share_inputs)
+        subject, err, reason = self.checked_at(variant, kernel, name, share_inputs, placement)
+        key = ",".join(f"{k}={v}" for k, v in self.run.items()) or "fixed"
+        errors = {**result.errors, f"{key} (timing inputs)": err}
+        if reason:
+            return None, GateResult(False, f"{self.run} on the timing inputs: {reason}", err, errors,
+                                    host_s=result.host_s)
+        return subject, GateResult(True, "", max(errors.values()), errors, host_s=result.host_s)
+
+    def checked_at(self, variant: Any, kernel: gpu.Kernel, name: str | None = None, share_inputs: bool = False,
+                   placement: int | None = None) -> tuple[KernelSubject | None, float, str]:
+        """One launch at the timed size on the timing inputs (a placement's, where given) into a poisoned,
+        fenced output, compared on the GPU: (the subject where it matched, the error, why not or '').
+        A kernel that passed the gate is checked so again at each further placement it is timed at."""
+        subject = self.subject(variant, kernel, name, share_inputs, placement)
         try:
             subject.bound.poison(self.stream)
             subject.bound.enqueue(self.stream.handle)
@@ -503,13 +646,10 @@ class Bench:
         except BaseException:
             subject.close()
             raise
-        key = ",".join(f"{k}={v}" for k, v in self.run.items()) or "fixed"
-        errors = {**result.errors, f"{key} (timing inputs)": err}
         if reason:
             subject.close()
-            return None, GateResult(False, f"{self.run} on the timing inputs: {reason}", err, errors,
-                                    host_s=result.host_s)
-        return subject, GateResult(True, "", max(errors.values()), errors, host_s=result.host_s)
+            return None, err, reason
+        return subject, err, ""
 
     def evaluate(self, variant: Any, hot_replays: int = 10, cold_count: int = 10) -> Evaluation:
         """Gate, then time; a failure is a failed Evaluation, except a CUDA error that left the context

@@ -11,7 +11,7 @@ import numpy as np
 
 from mage_gen.dtypes import BFLOAT16, FLOAT32, DType
 from mage_gen.dtypes import dtype as element_type
-from mage_gen.measure import FLUSH_BYTES, HOT_LAUNCHES_PER_GRAPH, compare_outputs, interleave
+from mage_gen.measure import FLUSH_BYTES, HOT_LAUNCHES_PER_GRAPH, compare_outputs, hold, interleave
 from mage_gen.ops import Op
 
 try:
@@ -125,19 +125,21 @@ class TorchSubject:
                 for _ in range(HOT_LAUNCHES_PER_GRAPH):
                     self.run()
             self._graph.replay()
-        samples = []
-        for _ in range(replays):
-            self._begin.record()
+        # as a generated kernel is timed (measure.KernelSubject): the replays back to back behind a hold
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(replays + 1)]
+        hold(torch.cuda.current_stream().cuda_stream)
+        for i in range(replays):
+            events[i].record()
             self._graph.replay()
-            self._end.record()
-            self._end.synchronize()
-            samples.append(self._begin.elapsed_time(self._end) * 1000.0 / HOT_LAUNCHES_PER_GRAPH)
-        return samples
+        events[replays].record()
+        events[replays].synchronize()
+        return [a.elapsed_time(b) * 1000.0 / HOT_LAUNCHES_PER_GRAPH for a, b in zip(events, events[1:])]
 
     def cold(self, count: int) -> list[float]:
         flush = _torch_flush_buffer()
         samples = []
         for _ in range(count):
+            hold(torch.cuda.current_stream().cuda_stream)
             flush.zero_()
             self._begin.record()
             self.run()

@@ -84,3 +84,9 @@ def test_a_short_study_through_the_worker_finds_a_winner(worker, tmp_path):
     result = tune(op, planted.SHAPE, RUN, space, worker, storage=f"sqlite:///{tmp_path / 'study.db'}")
     assert result.measured == 4 and not result.failed, result.failed
     assert result.winner.hot.median_us > 0
+    # the final round: every finalist and peer at each placement of the inputs and outputs, the samples pooled
+    from mage_gen.backends import FINAL_PER_ROUND, FINAL_PLACEMENTS, FINAL_ROUNDS
+
+    assert result.winner.hot.samples == result.winner.cold.samples == FINAL_ROUNDS * FINAL_PER_ROUND
+    for name, peer in result.peers.items():
+        assert len(peer["config"]["at the other placements"]) == FINAL_PLACEMENTS - 1, name

@@ -103,3 +103,52 @@ def test_the_triton_peer_writes_the_kernels_own_outputs(device):
         torch.cuda.synchronize()
         _, reason = bench.timing_reference().compare(subject.bound, bench.stream)
         assert reason == "", reason
+
+
+def test_each_placement_holds_the_inputs_elsewhere_and_one_set_of_outputs_for_all_timed_there(device):
+    """bench/norms.py and the tuner's final round time every subject at several placements: a later placement's
+    inputs are a copy at other addresses, checked for writes like the timing buffers; every kernel checked there
+    writes the placement's one set of fenced outputs, and so does the Triton peer given them."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    import numpy as np
+
+    from mage_gen.peers import make_peers, on_gpu
+
+    shape, run = OP.shape(d=4096, dtype="bf16", residual=True), {"m": 512}
+    bench = Bench(OP, shape, run, seed=11)
+    variants = [build(OP, shape, OP.params_from_dict({"template": "row", "threads": t, "vector": 16}), device.arch)
+                for t in (128, 256)]
+    kernels = [bench.load(v) for v in variants]
+    subjects = []
+    try:
+        first, checked = bench.checked_subject(variants[0], kernels[0], placement=0)
+        assert first is not None, checked.reason
+        subjects.append(first)
+        place = bench.placement(1)
+        for v, k in zip(variants, kernels):
+            subject, err, reason = bench.checked_at(v, k, placement=1)
+            assert subject is not None and reason == "", reason
+            subjects.append(subject)
+        zero = bench.timing_buffers()
+        assert first.bound.buffers["x"] is zero["x"]
+        assert place.inputs["x"].ptr != zero["x"].ptr
+        assert all(s.bound.buffers[k] is place.inputs[k] for s in subjects[1:] for k in ("x", "residual", "w"))
+        assert all(s.bound.buffers[k] is place.outputs[k] for s in subjects[1:] for k in ("y", "residual_out"))
+        assert first.bound.buffers["y"] is bench.placement(0).outputs["y"]
+        peers, missing = make_peers(OP, shape, run, bench.timing_inputs(), None, check=bench.check_tensor,
+                                    device_inputs=place.input_pointers(), device_outputs=place.output_pointers())
+        triton_peer = next((p for p in peers if p.name == "triton"), None)
+        assert triton_peer is not None, missing
+        assert triton_peer.config["outputs"] == "the kernel's own, shared"
+        assert bench.inputs_changed() == []
+        x1 = on_gpu(place.inputs["x"].ptr, bench.timing_inputs()["x"].shape, OP.output_dtypes(shape)["y"])
+        assert np.array_equal(x1.view(torch.int16).cpu().numpy().view(np.uint16), bench.timing_inputs()["x"])
+        x1[3, 5] = x1[3, 5] + 1
+        assert bench.inputs_changed() == ["x (placement 1)"]
+    finally:
+        for s in subjects:
+            s.close()
+        for k in kernels:
+            k.unload()
+        bench.free_placements()

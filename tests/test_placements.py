@@ -1,0 +1,75 @@
+"""Rounds taken at several placements of the inputs and outputs (measure.interleave_placed): each round at the
+next placement, every subject at each, the samples pooled and kept per placement."""
+
+import pytest
+
+from mage_gen.measure import common_to_every_placement, interleave, interleave_placed
+
+
+class Fixed:
+    """A subject whose every sample is its placement's time; records the calls it answered."""
+
+    def __init__(self, name: str, placement: int, us: float, calls: list):
+        self.name, self.placement, self.us, self.calls = name, placement, us, calls
+        self.closed = False
+
+    def hot(self, replays: int) -> list[float]:
+        self.calls.append((self.name, self.placement, "hot"))
+        return [self.us] * replays
+
+    def cold(self, count: int) -> list[float]:
+        self.calls.append((self.name, self.placement, "cold"))
+        return [self.us + 1.0] * count
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def placed(times: dict[str, list[float]], calls: list) -> list[list[Fixed]]:
+    count = len(next(iter(times.values())))
+    return [[Fixed(name, p, us[p], calls) for name, us in times.items()] for p in range(count)]
+
+
+def test_round_r_is_taken_at_placement_r_mod_their_count_every_subject_at_each():
+    calls = []
+    groups = placed({"kernel": [10.0, 20.0, 30.0], "peer": [12.0, 12.0, 12.0]}, calls)
+    pooled, by_placement = interleave_placed(groups, "hot", rounds=6, per_round=2)
+    assert [(p) for _, p, _ in calls] == [0, 0, 1, 1, 2, 2, 0, 0, 1, 1, 2, 2]
+    assert [[t["kernel"].median_us for t in by_placement]] == [[10.0, 20.0, 30.0]]
+    assert pooled["kernel"].samples == 12 and pooled["kernel"].median_us == 20.0
+    # the placements' spread is the pooled timing's: 10 and 30 apart is not a tie with a steady 12 hidden
+    assert pooled["kernel"].spread_us == 20.0 and pooled["kernel"].ties_with(pooled["peer"])
+
+
+def test_fewer_rounds_than_placements_time_only_the_first_and_report_only_those():
+    calls = []
+    pooled, by_placement = interleave_placed(placed({"kernel": [10.0, 20.0, 30.0]}, calls), "cold", 2, 3)
+    assert {p for _, p, _ in calls} == {0, 1} and len(by_placement) == 2
+    assert pooled["kernel"].samples == 6 and pooled["kernel"].median_us == 16.0
+
+
+def test_one_placement_is_plain_interleave():
+    calls_a, calls_b = [], []
+    a = interleave(placed({"k": [5.0], "p": [6.0]}, calls_a)[0], "hot", 3, 2)
+    b, _ = interleave_placed(placed({"k": [5.0], "p": [6.0]}, calls_b), "hot", 3, 2)
+    assert a == b and calls_a == calls_b
+
+
+def test_placements_that_hold_other_subjects_are_refused():
+    calls = []
+    groups = placed({"kernel": [1.0, 2.0], "peer": [1.0, 2.0]}, calls)
+    groups[1] = groups[1][:1]
+    with pytest.raises(ValueError, match="same subjects"):
+        interleave_placed(groups, "hot", 2, 1)
+
+
+def test_a_subject_missing_at_one_placement_is_timed_at_none_and_named():
+    calls = []
+    groups = placed({"kernel": [1.0, 2.0], "peer": [1.0, 2.0], "other": [3.0, 3.0]}, calls)
+    groups[1] = [s for s in groups[1] if s.name != "peer"]
+    kept, left_out = common_to_every_placement(groups)
+    assert left_out == ["peer"]
+    assert [[s.name for s in g] for g in kept] == [["kernel", "other"], ["kernel", "other"]]
+    assert not any(s.closed for g in groups for s in g)  # closing is the caller's, with the rest
+    interleave_placed(kept, "hot", 2, 1)
+    assert {name for name, _, _ in calls} == {"kernel", "other"}
