@@ -3,9 +3,9 @@
 The flush (256 MB written) does not evict lines a kernel loaded at evict-last priority: §14 found such lines of x
 still in L2 after a 512 MB stream and the flush. Inductor's norms at d = 8192 load x at evict-last (norms §16), and
 bench/norms.py found Inductor's cold median at 16384×8192 under the copy of the same bytes. cuCtxResetPersistingL2Cache
-gives persisting lines normal priority again; measure.cold now calls it before each flush. At three bf16 shapes the
-stored winner, torch, Inductor, Triton (on the kernel's y) and the copies of the same bytes are timed cold in
-alternating passes, with the reset (RESET_PERSISTING_L2 = True) and without, every one on one copy of the inputs.
+gives persisting lines normal priority again. At three bf16 shapes the stored winner, torch, Inductor, Triton (on
+the kernel's y) and the copies of the same bytes are timed cold (measure's cold sample: hold, flush, launch) in
+alternating passes, with the reset called before each sample and without, every one on one copy of the inputs.
 Writes bench/results/<gpu>/cold_flush_probe.json.
 
     python bench/cold_flush_probe.py
@@ -44,11 +44,12 @@ def main() -> None:
             try:
                 for _ in range(PASSES):
                     for setting in ("no reset", "reset"):
-                        measure.RESET_PERSISTING_L2 = setting == "reset"
                         for s in everyone:
-                            samples[setting][s.name] += s.cold(PER_ROUND)
+                            for _ in range(PER_ROUND):
+                                if setting == "reset":
+                                    gpu.reset_persisting_l2()
+                                samples[setting][s.name] += s.cold(1)
             finally:
-                measure.RESET_PERSISTING_L2 = True
                 copy.close()
         table = {setting: {n: measure.Timing.from_samples("cold", v).to_dict() for n, v in by.items()}
                  for setting, by in samples.items()}
@@ -60,7 +61,7 @@ def main() -> None:
     doc = {"what": "each subject timed cold without and with the persisting L2 lines reset before the flush",
            "method": {"passes": PASSES, "per_round": PER_ROUND, "hold_us": measure.HOLD_US,
                       "cold": f"{measure.FLUSH_BYTES >> 20} MB written before each launch, behind a hold; "
-                              "with cuCtxResetPersistingL2Cache before the hold, or not"},
+                              "with cuCtxResetPersistingL2Cache called before each sample, or not"},
            **provenance(device), "shapes": rows}
     out = write_result(device, "cold_flush_probe.json", json.dumps(doc, indent=1) + "\n")
     print(f"wrote {out}", file=sys.stderr)

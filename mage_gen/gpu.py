@@ -253,6 +253,11 @@ class EventSeries:
         self.events = []
 
 
+def reset_persisting_l2() -> None:
+    """Every line of the L2 held at persisting (evict-last) priority back to normal; done when it returns."""
+    _check(cu.cuCtxResetPersistingL2Cache(), "cuCtxResetPersistingL2Cache")
+
+
 def synchronize() -> None:
     _check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
 
