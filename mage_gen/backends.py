@@ -71,11 +71,13 @@ class GpuBackend:
             peer_configs: dict[str, list[dict[str, Any]]] = {}
             for p in range(FINAL_PLACEMENTS):
                 group = []
-                for v, kernel, at in loaded:
+                for entry in list(loaded):
+                    v, kernel, at = entry
                     if p:
                         subject, _, reason = self.bench.checked_at(v, kernel, placement=p)
-                        if subject is None:
+                        if subject is None:  # timed nowhere: common_to_every_placement leaves it out
                             dropped[v.source.kernel_name] = f"placement {p}: {reason}"
+                            loaded.remove(entry)
                             continue
                         opened.append(subject)
                         at.append(subject)

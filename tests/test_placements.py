@@ -73,3 +73,77 @@ def test_a_subject_missing_at_one_placement_is_timed_at_none_and_named():
     assert not any(s.closed for g in groups for s in g)  # closing is the caller's, with the rest
     interleave_placed(kept, "hot", 2, 1)
     assert {name for name, _, _ in calls} == {"kernel", "other"}
+
+
+class _Variant:
+    def __init__(self, name: str):
+        self.source = type("Source", (), {"kernel_name": name})()
+
+
+class _Kernel:
+    def __init__(self):
+        self.unloaded = False
+
+    def unload(self):
+        self.unloaded = True
+
+
+class _Place:
+    def input_pointers(self):
+        return {}
+
+    def output_pointers(self):
+        return {}
+
+
+class _Bench:
+    """What GpuBackend.final asks of a Bench: kernels checked at each placement, here by a rule."""
+
+    def __init__(self, fails_at: dict[str, int]):
+        self.fails_at, self.calls, self.opened, self.freed = fails_at, [], [], False
+
+    def load(self, variant):
+        return _Kernel()
+
+    def _subject(self, variant, placement):
+        subject = Fixed(variant.source.kernel_name, placement, 10.0 + placement, self.calls)
+        self.opened.append(subject)
+        return subject
+
+    def checked_subject(self, variant, kernel, placement=None):
+        return self._subject(variant, placement), None
+
+    def checked_at(self, variant, kernel, placement=None):
+        if self.fails_at.get(variant.source.kernel_name) == placement:
+            return None, float("inf"), "y has 3 NaN"
+        return self._subject(variant, placement), 0.0, ""
+
+    def timing_inputs(self):
+        return {}
+
+    def placement(self, index):
+        return _Place()
+
+    def inputs_changed(self):
+        return []
+
+    def free_placements(self):
+        self.freed = True
+
+    def check_tensor(self, name, tensor):
+        return 0.0, ""
+
+
+def test_a_finalist_that_fails_its_check_at_one_placement_is_dropped_and_the_others_timed_at_every_one():
+    from mage_gen import backends
+
+    backend = object.__new__(backends.GpuBackend)
+    backend.op, backend.shape, backend.run = None, None, {"m": 1}
+    backend.bench = _Bench({"b": 1})
+    timings, _, dropped = backend.final([_Variant("a"), _Variant("b"), _Variant("c")])
+    assert set(timings) == {"a", "c"} and dropped["b"] == "placement 1: y has 3 NaN"
+    per = backends.FINAL_ROUNDS * backends.FINAL_PER_ROUND
+    assert timings["a"]["hot"].samples == timings["a"]["cold"].samples == per
+    assert {p for name, p, _ in backend.bench.calls if name == "a"} == set(range(backends.FINAL_PLACEMENTS))
+    assert not any(name == "b" for name, _, _ in backend.bench.calls)  # never timed
+    assert all(s.closed for s in backend.bench.opened) and backend.bench.freed
