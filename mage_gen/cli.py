@@ -30,7 +30,7 @@ from mage_gen.ops.base import shape_dict
 from mage_gen.space import expand, load_space, preset_names
 from mage_gen.store import (Winner, check_can_save, current_winners, entry_key, load_winners, pick_winner, save_entry,
                             shape_entries, stored_axes, stored_params, tuned_shapes)
-from mage_gen.timing import Timing
+from mage_gen.timing import OBJECTIVES, Timing, by_objective
 from mage_gen.variants import Variant, build, build_all, check_op_arch
 
 # What only `tune` needs (Optuna, the measuring worker, and through the final round torch and Triton) is
@@ -443,7 +443,8 @@ def _print_result(op: Op, result: Any, objective: str, note: str = "") -> None:
         table.add_column(column, justify="left" if column in ("", "kernel") else "right")
 
     def ratio(f: Timing, peer: str) -> str:
-        return f"{f.median_us / result.peers[peer][objective].median_us:.3f}×"
+        p = result.peers[peer]
+        return f"{f.median_us / by_objective(p['hot'], p['cold'], objective).median_us:.3f}×"
 
     for label, f in [(f"winner by {objective}" + (" (tie)" if result.tie else ""), result.winner),
                      *(("", r) for r in result.runner_ups)]:
@@ -453,7 +454,8 @@ def _print_result(op: Op, result: Any, objective: str, note: str = "") -> None:
     for name, p in result.peers.items():
         config = " ".join(f"{k}={v}" for k, v in p["config"].items() if k in ("num_warps", "fn", "BLOCK_M", "BLOCK_N",
                                                                              "BLOCK_K", "num_stages"))
-        table.add_row("peer", f"{name} {config}", f"{p['hot'].median_us:.2f}", f"{p[objective].spread_us:.2f}",
+        table.add_row("peer", f"{name} {config}", f"{p['hot'].median_us:.2f}",
+                      f"{by_objective(p['hot'], p['cold'], objective).spread_us:.2f}",
                       f"{p['cold'].median_us:.2f}", "", *("" for _ in peers))
     out.print(table)
     if note:
@@ -469,9 +471,12 @@ def _print_result(op: Op, result: Any, objective: str, note: str = "") -> None:
     for name, why in list(result.failed.items())[:5]:
         out.print(f"  failed {name}: {why}", markup=False)
     if result.tie:
-        other = "cold" if objective == "hot" else "hot"
-        out.print(f"tie: {result.winner.name} and {', '.join(result.tied_with)} are within each other's spread; "
-                  f"kept the fastest {other} (or tied with it), then the one with fewer registers, then fewer threads")
+        kept = ("" if objective == "both" else
+                f"the fastest {'cold' if objective == 'hot' else 'hot'} (or tied with it), then ")
+        within = "hot and cold" if objective == "both" else objective
+        out.print(f"tie: {result.winner.name} and {', '.join(result.tied_with)} are within each other's spread "
+                  f"{within}; "
+                  f"kept {kept}the one with fewer registers, then fewer threads")
     for name, why in result.dropped.items():
         out.print(f"  not compared: {name}: {why}", markup=False)
 
@@ -487,7 +492,8 @@ def tune_command(
     trials: Optional[int] = typer.Option(None, min=1, help="configs each study measures in all, earlier runs "
                                                            f"included (default: all when ≤ {EXHAUSTIVE_LIMIT}, "
                                                            f"else {DEFAULT_TPE_TRIALS})"),
-    objective: str = typer.Option("hot", help="hot (L2-warm, graph replay) or cold (L2 flushed)"),
+    objective: str = typer.Option("hot", help="hot (L2-warm, graph replay), cold (L2 flushed) or both (the "
+                                              "geometric mean of the two)"),
     storage: Optional[str] = typer.Option(None, help="Optuna storage URL (default: SQLite in the user data folder)"),
     study: Optional[str] = typer.Option(None, help="study name (default: from op, shape, M, GPU, arch, objective)"),
     arch: Optional[str] = typer.Option(None, "--arch", help="default: the GPU's own"),
@@ -515,8 +521,8 @@ def tune_command(
     shape, default_run = _problem(op, _shape_only_config(op, config), d=d,
                                   m=sizes[0] if sizes and "m" in op.shape_dims else None, n=n, k=k, dtype=dtype,
                                   weight_dtype=weight_dtype)
-    if objective not in ("hot", "cold"):
-        raise MageError(f"objective: use hot or cold, got {objective!r}")
+    if objective not in OBJECTIVES:
+        raise MageError(f"objective: use {', '.join(OBJECTIVES)}, got {objective!r}")
     if study and isinstance(sizes, list) and len(sizes) > 1:
         raise MageError("study: one --study name cannot hold several size classes; leave --study out")
     from mage_gen import fleet
@@ -651,7 +657,7 @@ def _objective_note(op: Op, shape: Any, run: dict[str, int], objective: str, l2_
         return ""
     return (f"ranked hot: graph replays with the inputs warm in L2, and at {run} all the bytes fit the GPU's "
             f"{l2_bytes >> 20} MB L2, so this measures the L2; a model's call that reads them from memory is the "
-            "cold column (tune with --objective cold to rank by it)")
+            "cold column (tune with --objective cold or both to rank by it)")
 
 
 def _replay_study_name(op: Op, shape: Any, space: Any, replayed: Any) -> str:

@@ -1,4 +1,5 @@
-"""A timing result: how it was taken, how many samples, the median and the spread."""
+"""A timing result: how it was taken, how many samples, the median and the spread; and the figure a tuner ranks
+by (hot, cold, or both at once)."""
 
 from __future__ import annotations
 
@@ -32,3 +33,24 @@ class Timing:
     @classmethod
     def from_dict(cls, values: dict) -> Timing:
         return cls(**values)
+
+
+OBJECTIVES = ("hot", "cold", "both")
+
+
+def both(hot: Timing, cold: Timing) -> Timing:
+    """Hot and cold as one figure, the geometric mean of their medians: a percent gained on either counts the same,
+    whatever their sizes. Its spread is the two relative spreads averaged (the first-order spread of the mean when
+    the two move together, the case that makes it widest). The tuner calls two kernels tied on `both` only where
+    each method alone ties them (tune._finish)."""
+    median = float(np.sqrt(hot.median_us * cold.median_us))
+    relative = (hot.spread_us / hot.median_us + cold.spread_us / cold.median_us) / 2
+    return Timing(method="both", samples=min(hot.samples, cold.samples), median_us=median,
+                  spread_us=median * relative, min_us=float(np.sqrt(hot.min_us * cold.min_us)))
+
+
+def by_objective(hot: Timing, cold: Timing, objective: str) -> Timing:
+    """The timing a tune with this objective ranks by."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective: one of {', '.join(OBJECTIVES)}, got {objective!r}")
+    return hot if objective == "hot" else cold if objective == "cold" else both(hot, cold)

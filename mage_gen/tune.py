@@ -5,7 +5,7 @@ compiler and do not use up the trial budget; a config already measured (in this 
 of the same study) is answered from the study, not measured again; a failed compile or gate is a failed
 trial with its reason. Finalists are re-timed interleaved with the peers, and a winner that does not
 beat the runner-up by more than their spread is a tie, broken by the other method (hot for a cold objective,
-cold for a hot one), then by fewer registers, then fewer threads.
+cold for a hot one; under `both`, a tie is one on each method), then by fewer registers, then fewer threads.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from mage_gen.errors import CompileError, ConfigError, MageError
 from mage_gen.ops import Op
 from mage_gen.ops.base import shape_dict
 from mage_gen.space import Space, expand
-from mage_gen.timing import Timing
+from mage_gen.timing import OBJECTIVES, Timing, by_objective
 from mage_gen.variants import Variant, build, prebuild
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)  # the CLI reports progress itself
@@ -72,7 +72,7 @@ class Finalist:
     source_hash: str
 
     def timing(self, objective: str) -> Timing:
-        return self.hot if objective == "hot" else self.cold
+        return by_objective(self.hot, self.cold, objective)
 
 
 @dataclass(frozen=True)
@@ -215,8 +215,8 @@ def tune(op: Op, shape: Any, run: dict[str, int], space: Space, backend: Backend
     the stored winner's entry does not name (it was tuned before they existed): the incumbent at each of their other
     values in the space is measured first too, the one new lever tried on the config that won without it. Then
     the space's `first` configs (the peers' shapes) that lie in it, each re-timed in the final round too."""
-    if objective not in ("hot", "cold"):
-        raise ConfigError(f"objective: must be 'hot' or 'cold', got {objective!r}")
+    if objective not in OBJECTIVES:
+        raise ConfigError(f"objective: must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
     valid, rejected = expand(op, shape, space, backend.arch)
     if not valid:
         raise ConfigError(f"space: no config of preset {space.preset} is valid for {op.name} {shape_dict(shape)}; "
@@ -470,7 +470,7 @@ def _measure(op: Op, shape: Any, params: Any, backend: Backend, trial: optuna.Tr
         return None, kernel, reason
     trial.set_user_attr("hot", evaluation.hot.to_dict())
     trial.set_user_attr("cold", evaluation.cold.to_dict())
-    return (evaluation.hot if objective == "hot" else evaluation.cold).median_us, kernel, ""
+    return by_objective(evaluation.hot, evaluation.cold, objective).median_us, kernel, ""
 
 
 def _finish(op, shape, study, done, valid, rejected, backend, objective, measured, reused, sampler, progress,
@@ -499,13 +499,20 @@ def _finish(op, shape, study, done, valid, rejected, backend, objective, measure
         raise MageError(f"tune: every finalist failed its second gate: {dropped}")
     ranked.sort(key=lambda f: f.timing(objective).median_us)
     fastest = ranked[0]
-    tied = [f for f in ranked if f.timing(objective).ties_with(fastest.timing(objective))]
-    # Tied on the objective, a kernel the other method times faster is the better one to keep: a size class
-    # tuned hot is also launched cold. Within a tie on both, the frugal one.
-    other = "cold" if objective == "hot" else "hot"
-    best_other = min(tied, key=lambda f: f.timing(other).median_us).timing(other)
-    winner = min((f for f in tied if f.timing(other).ties_with(best_other)),
-                 key=lambda f: (f.registers, f.threads, f.timing(objective).median_us))
+    if objective == "both":
+        # a tie on both methods at once: a kernel several percent slower on one of them must not pass for a tie
+        # because the other's spread is wide
+        tied = [f for f in ranked if f.hot.ties_with(fastest.hot) and f.cold.ties_with(fastest.cold)]
+        tied_on_both = tied
+    else:
+        tied = [f for f in ranked if f.timing(objective).ties_with(fastest.timing(objective))]
+        # Tied on the objective, a kernel the other method times faster is the better one to keep: a size class
+        # tuned hot is also launched cold.
+        other = "cold" if objective == "hot" else "hot"
+        best_other = min(tied, key=lambda f: f.timing(other).median_us).timing(other)
+        tied_on_both = [f for f in tied if f.timing(other).ties_with(best_other)]
+    # Within a tie on both, the frugal one.
+    winner = min(tied_on_both, key=lambda f: (f.registers, f.threads, f.timing(objective).median_us))
     peers = {name: {**timings[name], "config": peer_configs.get(name, {})} for name in peer_configs}
     result = TuneResult(
         study=study.study_name, sampler=sampler, valid=len(valid), rejected=len(rejected), measured=measured,

@@ -131,6 +131,8 @@ CASES = [
     ("replay-not-a-recording", ["tune", "layernorm", "--d", "768", "--replay", "{tmp}/recording.json",
                                 "--storage", SQLITE], not_a_recording, ["recording.json", "bench/layernorm_trials.py"]),
     ("tune-without-gpu", ["tune", "layernorm", "--d", "96"], None, ["compiled and counted", "needs an NVIDIA GPU"]),
+    ("objective-unknown", [*TUNE_REPLAY, "--objective", "warm", "--storage", SQLITE], None,
+     ["objective: use hot, cold, both", "'warm'"]),
     ("config-decimal", ["inspect", "layernorm", "--d", "768", "--config", "threads=128.5"], None,
      ["threads is a whole number", "'128.5'"]),
     ("config-exponent", ["inspect", "layernorm", "--d", "768", "--config", "threads=1e2"], None,

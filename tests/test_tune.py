@@ -29,7 +29,7 @@ from mage_gen.ops import get_op
 from mage_gen.ops.layernorm import LayerNorm
 from mage_gen.space import Space, expand, load_space
 from mage_gen.store import entry_key, load_entry, load_winner, save_entry
-from mage_gen.timing import Timing
+from mage_gen.timing import Timing, by_objective
 from mage_gen.tune import EXHAUSTIVE_LIMIT, FINALISTS, tune
 from mage_gen.variants import build_all
 
@@ -569,6 +569,66 @@ def test_cold_objective_searches_and_ranks_by_cold(recording, wide, tmp_path, wi
     assert run_tune(Recorder(path), wide, tmp_path, objective="hot").winner.name == a
     cold = run_tune(Recorder(path), wide, tmp_path, objective="cold")
     assert cold.winner.name == b and cold.winner.cold.median_us == 8.0 and not cold.tie
+
+
+
+def test_both_objective_ranks_by_hot_and_cold_together(recording, wide, tmp_path, wide_census):
+    # a is fastest hot, c fastest cold, b second on each and first on their geometric mean; nothing ties
+    a, b, c, *others = sorted(wide_census)
+    held = by_kernel(recording)
+    for i, k in enumerate(others):
+        timed(held[k], 20.0 + i, 0.01)
+    for name, hot, cold in ((a, 5.0, 14.0), (b, 7.0, 9.0), (c, 10.0, 8.0)):
+        timed(held[name], hot, 0.01)
+        held[name]["cold"]["median_us"] = cold
+    path = write_derived(tmp_path, recording)
+    assert run_tune(Recorder(path), wide, tmp_path, objective="hot").winner.name == a
+    assert run_tune(Recorder(path), wide, tmp_path, objective="cold").winner.name == c
+    result = run_tune(Recorder(path), wide, tmp_path, objective="both")
+    assert result.winner.name == b and not result.tie
+    assert result.winner.timing("both").median_us == pytest.approx((7.0 * 9.0) ** 0.5)
+
+
+
+@pytest.mark.parametrize("frugal_hot", [5.02, 5.40])
+def test_under_both_a_tie_is_one_on_each_method(recording, wide, tmp_path, wide_census, frugal_hot):
+    # fast leads on the geometric mean; frugal (fewer registers) is close cold, and hot either within the spread
+    # (a tie: the frugal one is kept) or 8% behind, which the wide cold spread must not hide
+    fast, frugal = pick_pair(wide_census, "registers")
+    held = by_kernel(recording)
+    for i, k in enumerate(sorted(wide_census)):
+        timed(held[k], 20.0 + i, 0.01)
+    timed(held[fast], 5.00, 0.05)
+    timed(held[frugal], frugal_hot, 0.05)
+    for name, cold in ((fast, 10.4), (frugal, 10.0)):
+        held[name]["cold"] = Timing(method="cold", samples=20, median_us=cold, spread_us=0.6, min_us=cold - 0.5).to_dict()
+    result = run_tune(Recorder(write_derived(tmp_path, recording)), wide, tmp_path, objective="both")
+    if frugal_hot < 5.05:
+        assert result.tie and result.winner.name == frugal and result.tied_with == [fast]
+    else:
+        assert not result.tie and result.winner.name == fast
+        assert result.winner.timing("both").ties_with(result.runner_ups[0].timing("both"))  # the mean alone would
+
+
+def test_both_timing_is_the_geometric_mean_and_ties_only_within_both_spreads():
+    hot = Timing(method="hot", samples=20, median_us=4.0, spread_us=0.04, min_us=3.9)
+    cold = Timing(method="cold", samples=16, median_us=9.0, spread_us=0.27, min_us=8.1)
+    b = by_objective(hot, cold, "both")
+    assert (b.method, b.samples, b.median_us) == ("both", 16, pytest.approx(6.0))
+    assert b.spread_us == pytest.approx(6.0 * (0.01 + 0.03) / 2)
+    assert b.min_us == pytest.approx((3.9 * 8.1) ** 0.5)
+    slower = by_objective(hot, dataclasses.replace(cold, median_us=9.0 * 1.05), "both")  # 2.5% on the mean
+    assert not b.ties_with(slower)
+    assert b.ties_with(by_objective(hot, dataclasses.replace(cold, median_us=9.2), "both"))  # 1.1%, within 2%
+    assert by_objective(hot, cold, "hot") is hot and by_objective(hot, cold, "cold") is cold
+    with pytest.raises(ValueError, match="objective"):
+        by_objective(hot, cold, "warm")
+
+
+def test_an_unknown_objective_is_refused_before_any_study(recording_path, wide, tmp_path):
+    with pytest.raises(ConfigError, match="objective: must be one of hot, cold, both"):
+        run_tune(ReplayBackend(recording_path), wide, tmp_path, objective="warm")
+    assert not (tmp_path / "studies.db").exists()
 
 
 # ---- study and storage ----
