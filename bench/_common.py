@@ -35,6 +35,17 @@ def winner_params(op, shape, device, tune_missing: bool, tune_flags: list[str], 
     return load_winner(op, shape, device.name, run, l2_bytes=device.l2_bytes).params
 
 
+def stored_case(op_name: str, m: int, d: int, dtype: str = "bf16"):
+    """(device, op, shape, run, params of the stored winner) of one norm shape, for a probe of it."""
+    from mage_gen.ops import get_op
+
+    device = gpu.open_device()
+    op = get_op(op_name)
+    shape = op.shape(d=d, dtype=dtype)
+    run = {"m": m}
+    return device, op, shape, run, winner_params(op, shape, device, False, [], run=run)
+
+
 def prepared(op, shape, variant, run: dict) -> Prepared:
     """A built variant loaded and launched as the runtime launches it: argument kinds from the op, addresses held
     to its contract."""

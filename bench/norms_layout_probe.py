@@ -17,20 +17,15 @@ import sys
 
 sys.path.insert(0, "bench")
 from _beside_copy import build_named, time_beside_copy
-from _common import provenance, winner_params, write_result
+from _common import provenance, stored_case, write_result
 
 from mage_gen import gpu
-from mage_gen.ops import get_op
 
 M, D, LAYOUTS, SHIFT_MB = 4096, 8192, 5, 97  # 97: no multiple of a page size or of the inputs' size
 
 
 def main() -> None:
-    device = gpu.open_device()
-    op = get_op("rmsnorm")
-    shape = op.shape(d=D, dtype="bf16")
-    run = {"m": M}
-    stored = winner_params(op, shape, device, False, [], run=run)
+    device, op, shape, run, stored = stored_case("rmsnorm", M, D)
     configs = {"stored": stored, "plain": dataclasses.replace(stored, hint="none", l2_ahead=0)}
     variants = build_named(op, shape, configs, device.arch, f"rmsnorm {M}x{D}")
     rows, shifts = [], []
