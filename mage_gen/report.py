@@ -136,6 +136,10 @@ def _figure(path: Path, draw) -> str:
     return path.name
 
 
+def _figure_of(objective: str) -> str:
+    return "geometric mean of the hot and cold medians" if objective == "both" else f"{objective} median"
+
+
 def _progress(configs: list[Measured], objective: str):
     def draw(plt):
         fig, ax = plt.subplots(figsize=(7.5, 3.6))
@@ -154,7 +158,7 @@ def _progress(configs: list[Measured], objective: str):
             ax.scatter([c.trial for c in failed], [top] * len(failed), marker="x", color=FAILED_COLOR,
                        label="failed (see the table)")
         ax.set_xlabel("trial")
-        ax.set_ylabel(f"{objective} median, µs")
+        ax.set_ylabel(f"{_figure_of(objective)}, µs")
         ax.legend(loc="upper right", fontsize=8)
         return fig
     return draw
@@ -192,7 +196,7 @@ def _by_parameter(configs: list[Measured], axes: list[str], objective: str):
             ax.set_title(axis, fontsize=9)
         for i in range(len(axes), rows * cols):
             grid[i // cols][i % cols].axis("off")
-        grid[0][0].set_ylabel(f"{objective} µs")
+        grid[0][0].set_ylabel(f"{_figure_of(objective)}, µs")
         return fig
     return draw
 
@@ -220,8 +224,8 @@ def _census(configs: list[Measured], objective: str):
             ax = grid[i // 3][i % 3]
             ax.scatter(xs, [c.value for c in ok], s=9, color=OK_COLOR)
             ax.set_title(name, fontsize=9)
-        grid[0][0].set_ylabel(f"{objective} µs")
-        grid[1][0].set_ylabel(f"{objective} µs")
+        grid[0][0].set_ylabel(f"{_figure_of(objective)}, µs")
+        grid[1][0].set_ylabel(f"{_figure_of(objective)}, µs")
         return fig
     return draw
 
@@ -297,7 +301,7 @@ def write_report(op: Op, shape: Any, storage: str, study_name: str, out_dir: Pat
                              autoescape=True, trim_blocks=True, lstrip_blocks=True)
     page = env.get_template("report/page.html.j2").render(
         op=op.name, shape=json.dumps(shape_dict(shape)), run=json.dumps(run), identity=identity, study=study_name,
-        storage=storage, objective=objective, figures=figures, importances=importances,
+        storage=storage, objective=objective, ranked_by=_figure_of(objective), figures=figures, importances=importances,
         importance_note=importance_note, configs=configs, failed=[c for c in configs if c.value is None],
         final=final, winner=winner, limit=limit, size_classes=size_classes,
         made=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))

@@ -68,6 +68,19 @@ def test_the_report_is_one_page_with_every_figure_and_the_final_round(page):
     assert 'class="winner"' in html
 
 
+
+def test_a_study_ranked_by_both_says_so_on_its_page(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'studies.db'}"
+    done = mage_gen("tune", "layernorm", "--d", "768", "--replay", str(RECORDING), "--trials", "8", "--objective",
+                    "both", "--storage", storage, "--study", "replay-both", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "winner by both" in done.stdout
+    done = mage_gen("report", "layernorm", "--d", "768", "--storage", storage, "-o", str(tmp_path / "r"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    html = (tmp_path / "r" / "index.html").read_text()
+    assert "Ranked by the geometric mean of the hot and cold medians" in html and "a tie is one on each" in html
+    assert "both median" not in html and "the cold figure beside it" not in html
+
 def test_a_report_of_a_shape_without_a_study_is_one_line_exit_2(study, tmp_path):
     _, storage = study
     done = mage_gen("report", "layernorm", "--d", "1024", "--storage", storage, "-o", str(tmp_path / "r"),
