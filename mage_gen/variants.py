@@ -80,17 +80,19 @@ def _ctrl_c_held() -> Iterator[list[bool]]:
 
 
 def _start_servers() -> None:
-    """Start the fork server and the resource tracker with Ctrl-C ignored, which they keep (an ignored signal
-    stays ignored across exec): one that lands while they import would kill them half-way, each with a
-    traceback. The caller's own handler is back as soon as they are spawned, before their imports."""
-    if threading.current_thread() is not threading.main_thread():  # only the main thread sets handlers
+    """Start the fork server and the resource tracker with Ctrl-C blocked, which they inherit across exec until
+    each ignores it: one that landed while they import would kill them half-way, each with a traceback. Blocked,
+    not ignored, in the caller: an ignored Ctrl-C is lost, and the caller would compile on as if none came; a
+    blocked one waits, and reaches the caller's handler as soon as the servers are spawned."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread's mask matters here
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         resource_tracker.ensure_running()
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # the tracker unblocks it once it has spawned
         forkserver.ensure_running()
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 @contextlib.contextmanager

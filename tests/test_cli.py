@@ -284,6 +284,34 @@ def test_ctrl_c_while_the_compile_workers_start_is_one_line_and_stops_them(tmp_p
     assert live_in_group(group, within_s=5) == [], "a compile worker outlived it"
 
 
+
+@pytest.mark.parametrize("server", ["resource_tracker", "forkserver"])
+def test_a_ctrl_c_while_a_server_is_spawned_is_kept_not_lost(monkeypatch, server):
+    # Spawned with Ctrl-C ignored in the caller, a Ctrl-C landing then was lost and the compile ran on to its end
+    # (a loaded machine made the window wide enough for the test above to hit it)
+    import signal
+    from multiprocessing import forkserver, resource_tracker
+
+    from mage_gen import variants
+
+    module = {"resource_tracker": resource_tracker, "forkserver": forkserver}[server]
+    spawn, landed = module.ensure_running, []
+
+    def spawn_as_ctrl_c_lands() -> None:
+        if not landed:  # the pool asks again later, when a Ctrl-C would reach the caller's handler anyway
+            landed.append(True)
+            os.kill(os.getpid(), signal.SIGINT)
+        spawn()
+
+    monkeypatch.setattr(module, "ensure_running", spawn_as_ctrl_c_lands)
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with variants._workers(2):
+                pass
+    finally:
+        signal.signal(signal.SIGINT, handler)
+
 def test_a_whole_number_with_a_zero_fraction_is_taken_alike_in_sizes_and_config():
     sizes = mage_gen("inspect", "layernorm", "--d", "768.0", "--json")
     config = mage_gen("inspect", "layernorm", "--d", "768", "--config", "threads=128.0", "--json")
