@@ -17,6 +17,7 @@ from mage_gen import __version__, gpu
 from mage_gen.compile import nvrtc_version
 from mage_gen.errors import StoreError
 from mage_gen.measure import FLUSH_BYTES, HOT_LAUNCHES_PER_GRAPH
+from mage_gen.ops import get_op
 from mage_gen.runtime import Prepared
 from mage_gen.store import gpu_slug, load_winner, write_atomic
 
@@ -37,8 +38,6 @@ def winner_params(op, shape, device, tune_missing: bool, tune_flags: list[str], 
 
 def stored_case(op_name: str, m: int, d: int, dtype: str = "bf16"):
     """(device, op, shape, run, params of the stored winner) of one norm shape, for a probe of it."""
-    from mage_gen.ops import get_op
-
     device = gpu.open_device()
     op = get_op(op_name)
     shape = op.shape(d=d, dtype=dtype)

@@ -46,6 +46,10 @@ def main() -> None:
     rows = {}
     for n, p in configs.items():
         row = bench_shape(op, shape, M, p, device)
+        if "timings" not in row:  # failed its gate at some placement: nothing of it was timed
+            rows[n] = {"gate": row["gate"]}
+            print(f"bench row      {n:14} failed its gate: {row['gate'].get('reason')}", flush=True)
+            continue
         rows[n] = {"timings": row["timings"], "by_placement": row.get("by_placement")}
         print("bench row      " + f"{n:14} " + "  ".join(f"{s} {t['hot']['median_us']:.2f}/{t['cold']['median_us']:.2f}"
                                                       for s, t in row["timings"].items()), flush=True)
