@@ -364,6 +364,15 @@ def hold(stream: Any) -> None:
         _hold_kernel().launch((1, 1, 1), (1, 1, 1), 0, gpu.KernelArgs([("i64", HOLD_US * 1000)]), stream)
 
 
+def own_lines_only() -> None:
+    """Lines of L2 loaded at evict-last priority outlive the flush and any stream of normal traffic (bench/NOTES.md,
+    norms §14): left by one subject, they are hits for the next one that reads the same bytes, and its time is
+    partly the other's (Triton right after Inductor, whose norms load x at evict-last, ran RMSNorm 4096×8192 hot
+    in 33.4 µs, 35.0 when Inductor had not run; norms §19). Called before each subject's hot replays and each
+    cold sample, so each is timed on the lines it left itself (hot) or on none (cold)."""
+    gpu.reset_persisting_l2()
+
+
 @cache
 def flush_buffer() -> gpu.Buffer:
     return gpu.Buffer(FLUSH_BYTES)
@@ -381,7 +390,8 @@ class KernelSubject:
         if self._graph is None:
             self._graph = self.stream.capture(
                 lambda handle: [self.bound.enqueue(handle) for _ in range(HOT_LAUNCHES_PER_GRAPH)])
-            self._graph.launch(self.stream)  # warm-up: inputs into L2, code into the instruction cache
+        own_lines_only()
+        self._graph.launch(self.stream)  # warm-up: inputs into L2, code into the instruction cache
         # the replays back to back behind a hold, an event between each and the next
         events = gpu.EventSeries(replays + 1)
         try:
@@ -398,6 +408,7 @@ class KernelSubject:
         flush = flush_buffer()
         samples = []
         for i in range(count):
+            own_lines_only()
             hold(self.stream.handle)
             flush.fill32(i, self.stream.handle)
             self.events.start(self.stream)

@@ -11,7 +11,7 @@ import numpy as np
 
 from mage_gen.dtypes import BFLOAT16, FLOAT32, DType
 from mage_gen.dtypes import dtype as element_type
-from mage_gen.measure import FLUSH_BYTES, HOT_LAUNCHES_PER_GRAPH, compare_outputs, hold, interleave
+from mage_gen.measure import FLUSH_BYTES, HOT_LAUNCHES_PER_GRAPH, compare_outputs, hold, interleave, own_lines_only
 from mage_gen.ops import Op
 
 try:
@@ -124,7 +124,8 @@ class TorchSubject:
             with torch.cuda.graph(self._graph):
                 for _ in range(HOT_LAUNCHES_PER_GRAPH):
                     self.run()
-            self._graph.replay()
+        own_lines_only()
+        self._graph.replay()  # warm-up, as a generated kernel's
         # as a generated kernel is timed (measure.KernelSubject): the replays back to back behind a hold
         events = [torch.cuda.Event(enable_timing=True) for _ in range(replays + 1)]
         hold(torch.cuda.current_stream().cuda_stream)
@@ -139,6 +140,7 @@ class TorchSubject:
         flush = _torch_flush_buffer()
         samples = []
         for _ in range(count):
+            own_lines_only()
             hold(torch.cuda.current_stream().cuda_stream)
             flush.zero_()
             self._begin.record()

@@ -147,3 +147,81 @@ def test_a_finalist_that_fails_its_check_at_one_placement_is_dropped_and_the_oth
     assert {p for name, p, _ in backend.bench.calls if name == "a"} == set(range(backends.FINAL_PLACEMENTS))
     assert not any(name == "b" for name, _, _ in backend.bench.calls)  # never timed
     assert all(s.closed for s in backend.bench.opened) and backend.bench.freed
+
+
+class Steps:
+    """The driver calls a KernelSubject makes, as names in the order made (no GPU)."""
+
+    def __init__(self):
+        self.log: list[str] = []
+        self.handle = "stream"
+
+    def capture(self, enqueue):
+        self.log.append("capture")
+        steps = self
+
+        class Graph:
+            def launch(self, stream):
+                steps.log.append("replay")
+
+            def destroy(self):
+                pass
+        return Graph()
+
+    def enqueue(self, handle):
+        self.log.append("launch")
+
+    def free(self):
+        pass
+
+
+def test_each_hot_round_and_each_cold_sample_begins_with_the_persisting_lines_reset(monkeypatch):
+    # Lines another subject loaded at evict-last outlive the flush; timed without the reset, a subject reading
+    # the same bytes is partly timed on the other's work (bench/NOTES.md, norms §19)
+    import mage_gen.measure as measure
+
+    steps = Steps()
+    log = steps.log
+
+    class Series:
+        def __init__(self, count):
+            self.count = count
+
+        def record(self, i, handle):
+            pass
+
+        def gaps_us(self):
+            return [20.0] * (self.count - 1)
+
+        def destroy(self):
+            pass
+
+    class Pair:
+        def start(self, stream):
+            log.append("start")
+
+        def stop(self, stream):
+            log.append("stop")
+
+        def elapsed_us(self):
+            return 1.0
+
+        def destroy(self):
+            pass
+
+    class Flush:
+        def fill32(self, value, handle):
+            log.append("flush")
+
+    monkeypatch.setattr(measure.gpu, "reset_persisting_l2", lambda: log.append("reset"))
+    monkeypatch.setattr(measure.gpu, "EventSeries", Series)
+    monkeypatch.setattr(measure.gpu, "EventPair", Pair)
+    monkeypatch.setattr(measure, "hold", lambda handle: log.append("hold"))
+    monkeypatch.setattr(measure, "flush_buffer", Flush)
+    subject = measure.KernelSubject("k", steps, steps)
+    assert subject.hot(2) == [1.0, 1.0]
+    subject.hot(1)
+    assert log == ["capture", "reset", "replay", "hold", "replay", "replay", "reset", "replay", "hold", "replay"]
+    log.clear()
+    assert subject.cold(2) == [1.0, 1.0]
+    assert log == ["reset", "hold", "flush", "start", "launch", "stop"] * 2
