@@ -73,9 +73,18 @@ def geomean(values: list[float]) -> float | None:
 def timing_method(rounds: int, per_round: int) -> dict[str, str]:
     """How a bench's hot and cold figures were taken, from the constants that took them."""
     return {"hot": f"{HOT_LAUNCHES_PER_GRAPH} launches per CUDA graph, {rounds} rounds × {per_round} replays "
-                   "interleaved with the peers, median per launch, spread = interquartile range",
-            "cold": f"{FLUSH_BYTES >> 20} MB written before each launch, {rounds} rounds × {per_round} launches "
-                    "interleaved"}
+                   "interleaved with the peers, each round after L2's persisting lines were reset and one "
+                   "warm-up replay, median per launch, spread = interquartile range",
+            "cold": f"L2's persisting lines reset and {FLUSH_BYTES >> 20} MB written before each launch, {rounds} "
+                    f"rounds × {per_round} launches interleaved"}
+
+
+def cuda_kernels_of(call) -> list[str]:
+    """The names of the CUDA kernels one call launches, in order (torch's profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 def provenance(device) -> dict:

@@ -199,11 +199,12 @@ def main() -> None:
             "placements": f"round r is taken at placement r % {PLACEMENTS}; medians and spreads are of the samples "
                           "pooled over the placements (by_placement: each placement's median)",
             "peers": "torch: F.layer_norm / F.rms_norm (of x + residual, computed first, in the residual form); "
-                     "inductor: torch.compile(fullgraph=True, dynamic=False) of that eager code; triton: one "
+                     "inductor: torch.compile(fullgraph=True, dynamic=False) of that eager code, its results "
+                     "copied into the shared outputs (one fused kernel stores them there); triton: one "
                      "program per row, bf16 loads, fp32 math, best num_warps of 2/4/8/16 by hot time",
             "outputs": "at each placement the kernel writes y (and residual_out) into that placement's fenced "
-                       "buffers; the Triton peer writes into the same memory (its gate after a NaN fill of it); "
-                       "torch and Inductor allocate their own",
+                       "buffers; the Triton and Inductor peers write into the same memory (each gated after a "
+                       "NaN fill of it); torch allocates its own",
             **timing_method(ROUNDS, PER_ROUND),
             "floor:copy": "bytes_moved / 2 bytes read and as many written (what the norm moves): the fastest "
                           f"hot, and the fastest cold, of {COPY_CANDIDATES}, picked at each placement by {PICK}; "
