@@ -5,7 +5,8 @@ template out. In one process and the same rounds, each gated, every kernel and t
 the same y: the stored winner, and `wide` at 128-1024 threads with plain, read-only or streaming loads.
 Writes bench/results/<gpu>/norms_wide_probe.json.
 
-    python bench/norms_wide_probe.py
+    python bench/norms_wide_probe.py              # 4096×8192 and 16384×8192
+    python bench/norms_wide_probe.py 16384x8192   # that shape alone
 """
 import dataclasses
 import json
@@ -25,7 +26,8 @@ ROUNDS, PER_ROUND = 4, 5
 
 def main() -> None:
     doc, device = {"what": __doc__.split("\n\n")[0], "shapes": {}}, None
-    for m, d in SHAPES:
+    shapes = [tuple(int(n) for n in a.split("x")) for a in sys.argv[1:]] or SHAPES
+    for m, d in shapes:
         device, op, shape, run, stored = stored_case("rmsnorm", m, d)
         wide = dataclasses.replace(stored, template="wide", rows_per_block=1, grid_cap=0, weights="late",
                                    min_blocks=1, hold="float", l2_ahead=0, ahead_priority="normal",
