@@ -4,8 +4,9 @@ The flush (256 MB written) does not evict lines a kernel loaded at evict-last pr
 still in L2 after a 512 MB stream and the flush. Inductor's norms at d = 8192 load x at evict-last (norms §16), and
 bench/norms.py found Inductor's cold median at 16384×8192 under the copy of the same bytes. cuCtxResetPersistingL2Cache
 gives persisting lines normal priority again. At three bf16 shapes the stored winner, torch, Inductor, Triton (on
-the kernel's y) and the copies of the same bytes are timed cold (measure's cold sample: hold, flush, launch) in
-alternating passes, with the reset called before each sample and without, every one on one copy of the inputs.
+the kernel's y) and the copies of the same bytes are timed cold (measure's cold sample: reset, hold, flush, launch)
+in alternating passes, with the reset and with it switched off, every one on one copy of the inputs. (This probe
+found no cold figure moved; norms §19 then found Triton's hot one did, and measure's samples have reset since.)
 Writes bench/results/<gpu>/cold_flush_probe.json.
 
     python bench/cold_flush_probe.py
@@ -41,15 +42,15 @@ def main() -> None:
             copy.name = FLOOR
             everyone = [subject, *others, copy]
             samples = {setting: {s.name: [] for s in everyone} for setting in ("reset", "no reset")}
+            reset = gpu.reset_persisting_l2  # what a cold sample calls first (measure.own_lines_only)
             try:
                 for _ in range(PASSES):
                     for setting in ("no reset", "reset"):
+                        gpu.reset_persisting_l2 = reset if setting == "reset" else (lambda: None)
                         for s in everyone:
-                            for _ in range(PER_ROUND):
-                                if setting == "reset":
-                                    gpu.reset_persisting_l2()
-                                samples[setting][s.name] += s.cold(1)
+                            samples[setting][s.name] += s.cold(PER_ROUND)
             finally:
+                gpu.reset_persisting_l2 = reset
                 copy.close()
         table = {setting: {n: measure.Timing.from_samples("cold", v).to_dict() for n, v in by.items()}
                  for setting, by in samples.items()}
