@@ -80,26 +80,45 @@ def time_beside_copy(op, shape, run: dict, variants: dict, label: str, seed: int
 
 
 @contextlib.contextmanager
-def winner_beside_peers(op, shape, run: dict, device):
-    """(bench, the stored winner's subject "mage-gen", its peers, {peer: why missing}): the winner gated and its
-    peers (torch, Inductor, Triton on the winner's y) gated at placement 0 of one Bench; all closed after."""
-    variant = build(op, shape, winner_params(op, shape, device, False, [], run=run), device.arch)
+def named_beside_peers(op, shape, run: dict, device, variants: dict):
+    """(bench, the subject of each named variant that passed its gate, {name: its gate}, the op's peers, {peer: why
+    missing}): every variant and the peers (torch, Inductor and Triton on the variants' y) gated at placement 0 of
+    one Bench, all writing the same outputs there; a variant that fails is printed and never timed. All closed
+    after."""
     bench = Bench(op, shape, run, seed=run["m"] + shape.d)
-    kernel = bench.load(variant)
-    subjects = []
+    subjects, kernels, gates, peers = [], [], {}, []
     try:
-        subject, checked = bench.checked_subject(variant, kernel, name="mage-gen", placement=0)
-        if subject is None:
-            raise SystemExit(f"{op.name} {run} {variant.source.kernel_name}: failed the gate: {checked.reason}")
-        subjects.append(subject)
-        place = bench.placement(0)
-        peers, missing = make_peers(op, shape, run, bench.timing_inputs(), None, check=bench.check_tensor,
-                                    inductor=True, device_inputs=place.input_pointers(),
-                                    device_outputs=place.output_pointers())
-        subjects += peers
-        yield bench, subject, peers, missing
+        for name, variant in variants.items():
+            kernel = bench.load(variant)
+            kernels.append(kernel)
+            subject, checked = bench.checked_subject(variant, kernel, name=name, placement=0)
+            gates[name] = checked.to_dict()
+            if subject is None:
+                print(f"{op.name} {run} {name} {variant.source.kernel_name}: failed the gate: {checked.reason}",
+                      flush=True)
+            else:
+                subjects.append(subject)
+        missing = {}
+        if subjects:  # peers beside nothing are not compiled
+            place = bench.placement(0)
+            peers, missing = make_peers(op, shape, run, bench.timing_inputs(), None, check=bench.check_tensor,
+                                        inductor=True, device_inputs=place.input_pointers(),
+                                        device_outputs=place.output_pointers())
+        yield bench, list(subjects), gates, peers, missing
     finally:
-        for s in subjects:
+        for s in subjects + peers:
             s.close()
-        kernel.unload()
+        for k in kernels:
+            k.unload()
         bench.free_placements()
+
+
+@contextlib.contextmanager
+def winner_beside_peers(op, shape, run: dict, device):
+    """(bench, the stored winner's subject "mage-gen", its peers, {peer: why missing}), as named_beside_peers."""
+    variant = build(op, shape, winner_params(op, shape, device, False, [], run=run), device.arch)
+    with named_beside_peers(op, shape, run, device, {"mage-gen": variant}) as (bench, subjects, gates, peers, missing):
+        if not subjects:
+            raise SystemExit(f"{op.name} {run} {variant.source.kernel_name}: failed the gate: "
+                             f"{gates['mage-gen']['reason']}")
+        yield bench, subjects[0], peers, missing

@@ -13,11 +13,10 @@ import json
 import sys
 
 sys.path.insert(0, "bench")
+from _beside_copy import build_named, named_beside_peers
 from _common import provenance, stored_case, write_result
 
-from mage_gen.measure import Bench, interleave
-from mage_gen.peers import make_peers
-from mage_gen.variants import build
+from mage_gen.measure import interleave
 
 SHAPES = ((4096, 8192), (16384, 8192))
 THREADS, HINTS = (128, 256, 512, 1024), ("none", "nc", "stream")
@@ -34,36 +33,17 @@ def main() -> None:
                                    stats="two_pass", vector=16)
         configs = {"stored": stored, **{f"wide t{t} {h}": dataclasses.replace(wide, threads=t, hint=h)
                                         for t in THREADS for h in HINTS}}
-        bench = Bench(op, shape, run, seed=m + d)
-        subjects, kernels, gates, names = [], [], {}, {}
-        for label, params in configs.items():
-            variant = build(op, shape, params, device.arch)
-            kernel = bench.load(variant)
-            kernels.append(kernel)
-            subject, checked = bench.checked_subject(variant, kernel, name=label, placement=0)
-            gates[label] = checked.to_dict()
-            names[label] = variant.source.kernel_name
-            if subject is None:  # failed its gate: never timed
-                print(f"{m}x{d} {label}: FAILED GATE {checked.reason}", flush=True)
-                continue
-            subjects.append(subject)
-        place = bench.placement(0)
-        peers, missing = make_peers(op, shape, run, bench.timing_inputs(), None, check=bench.check_tensor,
-                                    inductor=True, device_inputs=place.input_pointers(),
-                                    device_outputs=place.output_pointers())
-        everyone = subjects + [p for p in peers if p.name in ("inductor", "triton")]
-        row = {"kernels": names, "gates": gates, "peers_missing": missing}
-        for method in ("hot", "cold"):
-            table = interleave(everyone, method, ROUNDS, PER_ROUND)
-            row[method] = {n: t.to_dict() for n, t in table.items()}
-            for n, t in sorted(table.items(), key=lambda kv: kv[1].median_us):
-                print(f"{m}x{d} {method} {n:18} {t.median_us:8.2f} ± {t.spread_us:.2f}", flush=True)
+        variants = build_named(op, shape, configs, device.arch, f"{m}x{d}")
+        with named_beside_peers(op, shape, run, device, variants) as (bench, subjects, gates, peers, missing):
+            everyone = subjects + [p for p in peers if p.name in ("inductor", "triton")]
+            row = {"kernels": {n: v.source.kernel_name for n, v in variants.items()}, "gates": gates,
+                   "peers_missing": missing}
+            for method in ("hot", "cold"):
+                table = interleave(everyone, method, ROUNDS, PER_ROUND)
+                row[method] = {n: t.to_dict() for n, t in table.items()}
+                for n, t in sorted(table.items(), key=lambda kv: kv[1].median_us):
+                    print(f"{m}x{d} {method} {n:18} {t.median_us:8.2f} ± {t.spread_us:.2f}", flush=True)
         doc["shapes"][f"{m}x{d}"] = row
-        for s in subjects + peers:
-            s.close()
-        for k in kernels:
-            k.unload()
-        bench.free_placements()
     doc.update(provenance(device))
     write_result(device, "norms_wide_probe.json", json.dumps(doc, indent=1) + "\n")
 
