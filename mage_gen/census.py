@@ -60,6 +60,8 @@ class Census:
     cache_policies: dict[str, int] = field(default_factory=dict)
     # tensor -> applypriority instructions: lines given back normal priority once read
     l2_released: dict[str, int] = field(default_factory=dict)
+    # a load's full tag ('x.pass1') -> its global loads under a cache policy (.L2::cache_hint)
+    global_loads_hinted: dict[str, int] = field(default_factory=dict)
 
     @property
     def spill_bytes(self) -> int:
@@ -138,6 +140,7 @@ def take_census(compiled: Compiled) -> Census:
     hinted: Counter = Counter()
     policies: Counter = Counter()
     released: Counter = Counter()
+    loads_hinted: Counter = Counter()
     for raw in compiled.ptx.splitlines():
         # an inline-asm block holds several instructions on one line: conversions are counted wherever they are
         counts["half_widen"] += len(_HALF_WIDEN.findall(raw)) + 2 * len(_BF16_PAIR_WIDEN.findall(raw))
@@ -160,6 +163,8 @@ def take_census(compiled: Compiled) -> Census:
             table.setdefault(tag, Counter())[_width(parts)] += 1
             if head == "ld":
                 passes.setdefault(tag.split(".")[0], set()).add(_pass(tag))
+                if "L2::cache_hint" in parts:
+                    loads_hinted[tag] += 1
         elif head in ("ld", "st") and "shared" in parts:
             counts["shared_loads" if head == "ld" else "shared_stores"] += 1
         elif opcode.startswith("cp.async.bulk.prefetch.L2"):
@@ -195,4 +200,5 @@ def take_census(compiled: Compiled) -> Census:
         mma=dict(sorted(mma.items())), ldmatrix=dict(sorted(ldmatrix.items())), tf32_round=counts["tf32_round"],
         l2_prefetch=dict(sorted(prefetches.items())), l2_prefetch_hinted=dict(sorted(hinted.items())),
         cache_policies=dict(sorted(policies.items())), l2_released=dict(sorted(released.items())),
+        global_loads_hinted=dict(sorted(loads_hinted.items())),
     )

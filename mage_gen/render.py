@@ -93,6 +93,15 @@ def _ptx_tag(tag: str) -> str:
     return f" // tensor={tag}" if tag else ""
 
 
+def _cache_policy_operand(regs: Sequence[str], policy: str | None) -> str:
+    """The policy operand of a load of `regs` under an L2 cache policy: after the destinations and the address."""
+    return "" if policy is None else f", %{len(regs) + 1}"
+
+
+def _cache_policy_input(policy: str | None) -> str:
+    return "" if policy is None else f', "l"({policy})'
+
+
 def _hint(table: dict[str, str], hint: str) -> str:
     if hint not in table:
         raise jinja2.TemplateRuntimeError(f"unknown cache hint {hint!r}; known: {sorted(table)}")
@@ -151,6 +160,8 @@ def environment() -> jinja2.Environment:
         braced=_braced,
         inouts=_inouts,
         mma_shape=_mma_shape,
+        cache_policy_operand=_cache_policy_operand,
+        cache_policy_input=_cache_policy_input,
         ld_hint=lambda h: _hint(_LOAD_HINTS, h),
         st_hint=lambda h: _hint(_STORE_HINTS, h),
         cp_level=_cp_level,

@@ -1,5 +1,6 @@
 """Memory and warp-synchronous instructions: ld, st, cp.async (+ commit/wait), shfl.sync, and the L2 cache
-policies (createpolicy, applypriority), which move nothing.
+policies (createpolicy, applypriority), which move nothing; a load under an evict-last policy (.L2::cache_hint)
+leaves its lines kept, as a prefetch under one does.
 
 Loads and stores go through the warp (warp.load / warp.store), which picks global or shared memory
 by state space (or, for generic addresses, by which window the address falls in)."""
@@ -51,7 +52,16 @@ def _widening(dec: Decoder, dsts: list[int], dt):
 
 
 def _ld(dec: Decoder, st, parts):
+    hinted = "L2::cache_hint" in parts
+    if hinted:
+        parts = [p for p in parts if p != "L2::cache_hint"]
+        if len(st.operands) != 3:
+            raise UnknownInstruction("ld.L2::cache_hint takes a destination, an address and a cache policy")
+    elif len(st.operands) != 2:
+        raise UnknownInstruction("a cache policy operand without .L2::cache_hint")
     space, n = _space_and_width(parts)
+    if hinted and space != "global":
+        raise UnknownInstruction(f"ld.{space} under a cache policy not implemented")
     dt = DTYPES[type_of(parts)]
     dsts = [dec.dst(x) for x in dec.vector(st.operands[0])]
     if len(dsts) != n:
@@ -71,11 +81,17 @@ def _ld(dec: Decoder, st, parts):
         return fn_param
     wpe = _words_per(dt)
     base, off = dec.address(st.operands[1])
+    policy = dec.src(st.operands[2], np.uint64) if hinted else None
 
     def fn(w, mask):
         addr = np.broadcast_to(base(w.r) + off, (LANES,))
         sel = w.active(mask)
         words = w.load(space, addr[sel], n * wpe, sel, what)
+        if policy is not None:
+            values = np.broadcast_to(policy(w.r), (LANES,))[sel]
+            _check_policy(values, what)
+            if np.any(values == _POLICY_TAG | np.uint64(_PRIORITIES.index("L2::evict_last"))):
+                w.keep_lines(addr[sel], n * wpe * 4)
         vals = np.ascontiguousarray(words).view(dt)  # (k, n)
         if widen is not None:
             vals = vals.astype(widen)

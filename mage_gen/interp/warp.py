@@ -118,7 +118,13 @@ class Warp:
             b.glob.check_span(addr[lanes], size, tids[lanes], b.describe, what)
         if keep:
             for a, size in zip(addr.tolist(), sizes.tolist()):
-                b.glob.kept.update(range(a // 128 * 128, a + size, 128))
+                self.keep_lines(np.array([a]), size)
+
+    def keep_lines(self, addr, size: int) -> None:
+        """The lines `size` bytes from each address touch, read under an evict-last policy: kept until released."""
+        kept = self.block.glob.kept
+        for a in addr.tolist():
+            kept.update(range(a // 128 * 128, a + size, 128))
 
     def apply_priority(self, addr, sel, what: str) -> None:
         b = self.block
