@@ -43,7 +43,9 @@ TEMPLATES = ("row", "multirow", "wide")
 VECTOR_WIDTHS = (4, 8, 16)  # bytes per global access of a row
 RSQRT_MODES = ("approx", "exact")
 STATS = ("two_pass", "one_pass", "shifted")
-HINTS = ("none", "nc", "stream")
+HINTS = ("none", "nc", "stream", "keep", "keep_unreleased")
+# hints of template wide alone: its first pass reads the row under an L2 evict-last policy, its second at evict-first
+KEEP_HINTS = ("keep", "keep_unreleased")
 WEIGHTS = ("late", "early")
 HOLDS = ("float", "packed")
 AHEAD_PRIORITIES = ("normal", "last")
@@ -63,7 +65,8 @@ _TEMPLATE_FILES = {"row": "layernorm/resident.cu.j2", "multirow": "layernorm/res
 # (x loads, y stores, w/b loads) for each hint. w and b are read-only in every kernel and always take the
 # read-only path: plain loads of them could alias the y stores before them, and ptxas would then keep each
 # slot's w load behind the previous slot's store (one load latency per slot)
-_HINT_SUFFIXES = {"none": ("", "", "nc"), "nc": ("nc", "", "nc"), "stream": ("nc_na", "cs", "nc")}
+_HINT_SUFFIXES = {"none": ("", "", "nc"), "nc": ("nc", "", "nc"), "stream": ("nc_na", "cs", "nc"),
+                  "keep": ("nc", "", "nc"), "keep_unreleased": ("nc", "", "nc")}
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,11 @@ class Params:
     vector: int = 16  # bytes per global access of a row: 4, 8 or 16 (4 floats, or 8 bf16, at 16)
     rows_per_block: int = 1
     rsqrt: str = "approx"
-    hint: str = "nc"  # none: x by plain loads; nc: x by the read-only path; stream: x not kept in L1, y evict-first
+    # none: x by plain loads; nc: x by the read-only path; stream: x not kept in L1, y evict-first; keep (template
+    # wide): pass 1 reads x at L2 evict-last, pass 2 at evict-first, then the row's lines go back to normal priority;
+    # keep_unreleased: left at evict-last, w and b read at evict-last too (Inductor's policies). Those lines outlive
+    # the launch; every timing resets them first (measure.own_lines_only), so they flatter no subject's time
+    hint: str = "nc"
     # two_pass: mean, then squared deviations; one_pass: one Chan-merged reduction; shifted: sums of x − k and
     # (x − k)², k the row's first element, in one reduction (16-bit rows)
     stats: str = "two_pass"
@@ -157,11 +164,13 @@ class LayerNorm:
         return Shape(d, act.name, weight.name, residual)
 
     def min_arch_of(self, shape: Shape, params: Params | None = None) -> int:
-        """Packed 16-bit conversions (cvt.rn.bf16x2.f32, cvt.f32.bf16) need sm_80; the bulk L2 prefetch
-        (l2_ahead) sm_90."""
+        """Packed 16-bit conversions (cvt.rn.bf16x2.f32, cvt.f32.bf16) and L2 cache policies (hint keep) need sm_80;
+        the bulk L2 prefetch (l2_ahead) sm_90."""
         act, weight = element_type(shape.dtype), element_type(shape.weight_dtype)
         if params is not None and params.l2_ahead:
             return 90
+        if params is not None and params.hint in KEEP_HINTS:  # createpolicy, loads under .L2::cache_hint
+            return 80
         return 80 if act.half or weight.half else self.min_arch
 
     def args(self, shape: Shape) -> tuple[Arg, ...]:
@@ -222,11 +231,13 @@ class LayerNorm:
             raise ConfigError(f"weights: weights must be one of {WEIGHTS}, got {p.weights!r}")
         if p.hold not in HOLDS:
             raise ConfigError(f"hold: hold must be one of {HOLDS}, got {p.hold!r}")
-        if p.template == "wide" and (p.grid_cap or p.stats != "two_pass" or p.weights != "late" or p.min_blocks != 1
-                                     or p.hold != "float"):
-            raise ConfigError("wide-options: template wide takes no grid_cap and leaves stats, weights, min_blocks "
-                              "and hold at their defaults (two_pass, late, 1, float): it always merges with Chan's "
-                              "formula, one block per row, and holds no row")
+        if p.template == "wide" and (p.grid_cap or p.stats != "two_pass" or p.weights != "late" or p.hold != "float"):
+            raise ConfigError("wide-options: template wide takes no grid_cap and leaves stats, weights and hold at "
+                              "their defaults (two_pass, late, float): it always merges with Chan's formula, one block "
+                              "per row, and holds no row")
+        if p.hint in KEEP_HINTS and (p.template != "wide" or shape.residual or d % self._elements(shape, p)):
+            raise ConfigError(f"hint: hint {p.hint} keeps a row in L2 between the two passes of template wide, over "
+                              "rows of whole vectors without a residual; use hint nc")
         if not isinstance(p.min_blocks, int) or not 1 <= p.min_blocks <= 8:
             raise ConfigError(f"min-blocks: min_blocks is the blocks per SM to fit, 1..8, got {p.min_blocks!r}")
         if t * p.rows_per_block * p.min_blocks > MAX_THREADS_PER_SM:
@@ -336,6 +347,9 @@ class LayerNorm:
             INV_D=f"{1.0 / d:.9e}f", RSQRT=p.rsqrt,
             X_HINT=x_hint, Y_HINT=y_hint, WB_HINT=wb_hint,
             X_HINT_PASS1="nc" if p.hint != "none" else "", X_HINT_PASS2=x_hint, UNROLL=4, NORM=self.norm,
+            KEEP=p.hint in KEEP_HINTS, KEEP_RELEASE=p.hint == "keep",
+            # wide, rows of whole vectors: the chunks of the second pass a thread loads before it stores any
+            G=min(4, -(-nvec // t)), XW=v // 2 if act.half else v, WW=v // 2 if weight.half else v,
             ACT=act.c_type, XDT=act.ptx, WT=weight.c_type, WDT=weight.ptx, U=2 if act.half else 1,
             WU=2 if weight.half else 1, RESIDUAL=shape.residual,
             HOLD_PACKED=p.hold == "packed", HELD_TYPE="unsigned" if p.hold == "packed" else "float",

@@ -1,0 +1,101 @@
+"""Template wide keeps its row in L2 between its two passes (hint keep, keep_unreleased), fits more blocks per SM
+(min_blocks), and loads a group of chunks in each pass before it uses any, on the CPU: the interpreter runs
+each and counts what it leaves kept at evict-last, the census counts the loads under a policy, the op refuses what
+the template cannot serve."""
+
+import re
+
+import numpy as np
+import pytest
+
+from mage_gen import interp
+from mage_gen.errors import ConfigError
+from mage_gen.ops import get_op
+from mage_gen.variants import build
+
+ARCH = "sm_90"
+
+
+def wide(op, threads=64, **extra):
+    return op.params_from_dict({"template": "wide", "threads": threads, "vector": 16, **extra})
+
+
+@pytest.mark.parametrize("op_name", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("dtype", ["bf16", "float32"])
+@pytest.mark.parametrize("hint", ["keep", "keep_unreleased"])
+def test_the_row_is_read_at_evict_last_then_at_evict_first_and_the_output_is_unchanged(op_name, dtype, hint):
+    op = get_op(op_name)
+    shape = op.shape(d=1024, dtype=dtype)
+    variant = build(op, shape, wide(op, hint=hint), ARCH)
+    census = variant.census
+    assert census.cache_policies == {"evict_first": 1, "evict_last": 1}
+    weights = ("w", "b") if op_name == "layernorm" else ("w",)
+    hinted = {"x.pass1", "x.pass2"} | (set() if hint == "keep" else set(weights))
+    assert set(census.global_loads_hinted) == hinted
+    assert census.global_loads_hinted["x.pass1"] == sum(census.global_loads["x.pass1"].values())
+    assert census.l2_released == ({"x": 1} if hint == "keep" else {})
+    for m in (1, 5):
+        result = interp.gate(op, shape, variant, {"m": m}, np.random.default_rng(m))
+        assert result.passed, result.reason
+
+
+@pytest.mark.parametrize("op_name", ["layernorm", "rmsnorm"])
+def test_keep_leaves_no_line_at_evict_last_and_keep_unreleased_leaves_the_rows_and_weights(op_name):
+    op = get_op(op_name)
+    shape = op.shape(d=1024, dtype="bf16")
+    m = 5
+    inputs = op.make_inputs(shape, {"m": m}, np.random.default_rng(3))
+    kept = {}
+    for hint in ("nc", "keep", "keep_unreleased"):
+        stats = interp.Stats()
+        interp.launch_with(op, shape, build(op, shape, wide(op, hint=hint), ARCH), {"m": m}, inputs, stats)
+        kept[hint] = stats.kept_lines
+    row_lines, weight_lines = m * 1024 * 2 // 128, 1024 * 2 // 128
+    assert kept == {"nc": 0, "keep": 0,
+                    "keep_unreleased": row_lines + weight_lines * (2 if op_name == "layernorm" else 1)}
+
+
+def test_a_load_under_a_policy_names_it_as_its_last_operand():
+    op = get_op("rmsnorm")
+    text = build(op, op.shape(d=1024, dtype="bf16"), wide(op, hint="keep"), ARCH).source.text
+    loads = re.findall(r'ld\.global\.nc\.L2::cache_hint\.v4\.b32 \{%0, %1, %2, %3\}, \[%4\], %5;[^"]*" '
+                       r'.*, "l"\((\w+)\)\);', text)
+    assert sorted(set(loads)) == ["keep_policy", "last_use_policy"]
+
+
+@pytest.mark.parametrize("d,threads", [(1024, 64), (1024, 96), (4096, 128), (2048, 32)])
+def test_each_pass_loads_a_group_of_chunks_before_it_uses_any_and_covers_the_row(d, threads):
+    # 1024/8 = 128 vectors over 64 threads: one group of 2; over 96: a group of 2, the second chunk only for some
+    # threads; 512 over 128: a group of 4; 256 over 32: two groups of 4
+    op = get_op("rmsnorm")
+    shape = op.shape(d=d, dtype="bf16")
+    variant = build(op, shape, wide(op, threads=threads, hint="keep"), ARCH)
+    group = min(4, -(-(d // 8) // threads))
+    loads = variant.census.global_loads
+    assert sum(loads["x.pass1"].values()) == sum(loads["x.pass2"].values()) == variant.census.stores_of("y") == group
+    for m in (1, 3):
+        result = interp.gate(op, shape, variant, {"m": m}, np.random.default_rng(d + m))
+        assert result.passed, result.reason
+
+
+@pytest.mark.parametrize("op_name", ["layernorm", "rmsnorm"])
+def test_wide_fits_its_registers_to_min_blocks(op_name):
+    op = get_op(op_name)
+    shape = op.shape(d=8192, dtype="bf16")
+    free = build(op, shape, wide(op, threads=512, hint="keep_unreleased"), ARCH)
+    fitted = build(op, shape, wide(op, threads=512, hint="keep_unreleased", min_blocks=4), ARCH)
+    assert "__launch_bounds__(512, 4)" in fitted.source.text
+    assert free.census.registers > 32 >= fitted.census.registers
+    assert fitted.source.kernel_name.endswith("_keep_unreleased_b4")
+
+
+@pytest.mark.parametrize("params,shape_args,words", [
+    ({"template": "row", "hint": "keep"}, {}, "template wide"),
+    ({"template": "wide", "hint": "keep_unreleased"}, {"residual": True}, "without a residual"),
+    ({"template": "wide", "hint": "keep", "vector": 16}, {"d": 1001 * 2}, "whole vectors"),
+])
+def test_keep_is_refused_where_the_template_cannot_serve_it(params, shape_args, words):
+    op = get_op("layernorm")
+    shape = op.shape(**{"d": 1024, "dtype": "bf16", **shape_args})
+    with pytest.raises(ConfigError, match=words):
+        op.validate(shape, op.params_from_dict({"threads": 64, "vector": 16, **params}))
