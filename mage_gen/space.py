@@ -82,16 +82,20 @@ def _on_device(values: list[Any], sms: int | None) -> tuple[Any, ...]:
 
 
 def _first(path: Path, spec: dict[str, Any]) -> tuple[tuple[tuple[str, Any], ...], ...]:
-    """[first] of the spec: lists of axis values, every combination of them one config."""
-    table = spec.get("first", {})
-    unknown = sorted(set(table) - set(spec["axes"]))
-    if unknown:
-        raise ConfigError(f"space: [first] of {path.name} names unknown axes {', '.join(unknown)}")
-    lists = [(name, values) for name, values in table.items()]
-    if any(not isinstance(values, list) or not values for _, values in lists):
-        raise ConfigError(f"space: each axis of [first] in {path.name} takes a non-empty list of values")
-    names = [name for name, _ in lists]
-    return tuple(tuple(zip(names, values)) for values in itertools.product(*(v for _, v in lists)))
+    """[first] of the spec: lists of axis values, every combination of them one config; [[first]], several such
+    tables (one peer's shape each), their configs in the order written."""
+    tables = spec.get("first", {})
+    configs: list[tuple[tuple[str, Any], ...]] = []
+    for table in tables if isinstance(tables, list) else [tables]:
+        unknown = sorted(set(table) - set(spec["axes"]))
+        if unknown:
+            raise ConfigError(f"space: [first] of {path.name} names unknown axes {', '.join(unknown)}")
+        lists = [(name, values) for name, values in table.items()]
+        if any(not isinstance(values, list) or not values for _, values in lists):
+            raise ConfigError(f"space: each axis of [first] in {path.name} takes a non-empty list of values")
+        names = [name for name, _ in lists]
+        configs += [tuple(zip(names, values)) for values in itertools.product(*(v for _, v in lists))]
+    return tuple(dict.fromkeys(configs))
 
 
 def expand(op: Op, shape: Any, space: Space, arch: str | None = None) -> tuple[list[Any], list[tuple[Any, str]]]:

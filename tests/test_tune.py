@@ -809,3 +809,16 @@ def test_the_trial_seconds_line_names_each_part():
     from mage_gen.cli import _trial_seconds_line
     line = _trial_seconds_line({"load": 0.012, "gate": 0.31, "gate_host": 0.25, "timing": 0.12})
     assert line == "a trial, on average: load 0.01 s, gate 0.31 s (host 0.25 s), timing 0.12 s"
+
+
+def test_the_rmsnorm_space_for_long_rows_starts_from_inductor_s_kernel_too():
+    op = get_op("rmsnorm")
+    shape = op.shape(d=8192, dtype="bf16")
+    space = load_space(op, "long", shape)
+    valid = set(expand(op, shape, space, "sm_90")[0])
+    first = [op.params_from_dict(dict(values)) for values in space.first]
+    inductor = op.params_from_dict({"template": "wide", "threads": 512, "vector": 16, "hint": "keep_unreleased",
+                                    "min_blocks": 4})
+    assert inductor in valid and inductor in first
+    # Triton's tables come first, in the order written, and no config is measured twice
+    assert first[0].template == "row" and first[-1].template == "wide" and len(set(first)) == len(first)
