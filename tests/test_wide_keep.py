@@ -40,9 +40,30 @@ def test_the_row_is_read_at_evict_last_then_at_evict_first_and_the_output_is_unc
 
 
 @pytest.mark.parametrize("op_name", ["layernorm", "rmsnorm"])
-def test_keep_leaves_no_line_at_evict_last_and_keep_unreleased_leaves_the_rows_and_weights(op_name):
+@pytest.mark.parametrize("hint", ["keep", "keep_unreleased"])
+def test_with_a_residual_both_rows_are_read_twice_and_the_sum_written_in_the_second_pass(op_name, hint):
+    # as Inductor's fused add: pass 1 writes nothing, pass 2 reads x and residual again (at evict-first), writes the
+    # rounded sum and normalizes it
     op = get_op(op_name)
-    shape = op.shape(d=1024, dtype="bf16")
+    shape = op.shape(d=1024, dtype="bf16", residual=True)
+    variant = build(op, shape, wide(op, hint=hint), ARCH)
+    census = variant.census
+    assert census.load_passes["x"] == census.load_passes["residual"] == [1, 2]
+    rows = {"x.pass1", "x.pass2", "residual.pass1", "residual.pass2"}
+    assert rows <= set(census.global_loads_hinted)
+    assert set(census.global_stores) == {"residual_out.pass2", "y"}
+    assert census.stores_of("residual_out") == census.stores_of("y") == 2
+    assert census.l2_released == ({"residual": 1, "x": 1} if hint == "keep" else {})
+    for m in (1, 5):
+        result = interp.gate(op, shape, variant, {"m": m}, np.random.default_rng(m))
+        assert result.passed, result.reason
+
+
+@pytest.mark.parametrize("op_name", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("residual", [False, True])
+def test_keep_leaves_no_line_at_evict_last_and_keep_unreleased_leaves_the_rows_and_weights(op_name, residual):
+    op = get_op(op_name)
+    shape = op.shape(d=1024, dtype="bf16", residual=residual)
     m = 5
     inputs = op.make_inputs(shape, {"m": m}, np.random.default_rng(3))
     kept = {}
@@ -50,7 +71,7 @@ def test_keep_leaves_no_line_at_evict_last_and_keep_unreleased_leaves_the_rows_a
         stats = interp.Stats()
         interp.launch_with(op, shape, build(op, shape, wide(op, hint=hint), ARCH), {"m": m}, inputs, stats)
         kept[hint] = stats.kept_lines
-    row_lines, weight_lines = m * 1024 * 2 // 128, 1024 * 2 // 128
+    row_lines, weight_lines = m * 1024 * 2 // 128 * (2 if residual else 1), 1024 * 2 // 128
     assert kept == {"nc": 0, "keep": 0,
                     "keep_unreleased": row_lines + weight_lines * (2 if op_name == "layernorm" else 1)}
 
@@ -91,7 +112,6 @@ def test_wide_fits_its_registers_to_min_blocks(op_name):
 
 @pytest.mark.parametrize("params,shape_args,words", [
     ({"template": "row", "hint": "keep"}, {}, "template wide"),
-    ({"template": "wide", "hint": "keep_unreleased"}, {"residual": True}, "without a residual"),
     ({"template": "wide", "hint": "keep", "vector": 16}, {"d": 1001 * 2}, "whole vectors"),
 ])
 def test_keep_is_refused_where_the_template_cannot_serve_it(params, shape_args, words):

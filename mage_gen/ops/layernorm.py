@@ -87,7 +87,8 @@ class Params:
     # none: x by plain loads; nc: x by the read-only path; stream: x not kept in L1, y evict-first; keep (template
     # wide): pass 1 reads x at L2 evict-last, pass 2 at evict-first, then the row's lines go back to normal priority;
     # keep_unreleased: left at evict-last, w and b read at evict-last too (Inductor's policies). Those lines outlive
-    # the launch; every timing resets them first (measure.own_lines_only), so they flatter no subject's time
+    # the launch; every timing resets them first (measure.own_lines_only), so they flatter no subject's time. With
+    # the residual, both keep hints read x and residual in each pass and write residual_out in the second
     hint: str = "nc"
     # two_pass: mean, then squared deviations; one_pass: one Chan-merged reduction; shifted: sums of x − k and
     # (x − k)², k the row's first element, in one reduction (16-bit rows)
@@ -235,9 +236,9 @@ class LayerNorm:
             raise ConfigError("wide-options: template wide takes no grid_cap and leaves stats, weights and hold at "
                               "their defaults (two_pass, late, float): it always merges with Chan's formula, one block "
                               "per row, and holds no row")
-        if p.hint in KEEP_HINTS and (p.template != "wide" or shape.residual or d % self._elements(shape, p)):
+        if p.hint in KEEP_HINTS and (p.template != "wide" or d % self._elements(shape, p)):
             raise ConfigError(f"hint: hint {p.hint} keeps a row in L2 between the two passes of template wide, over "
-                              "rows of whole vectors without a residual; use hint nc")
+                              "rows of whole vectors; use hint nc")
         if not isinstance(p.min_blocks, int) or not 1 <= p.min_blocks <= 8:
             raise ConfigError(f"min-blocks: min_blocks is the blocks per SM to fit, 1..8, got {p.min_blocks!r}")
         if t * p.rows_per_block * p.min_blocks > MAX_THREADS_PER_SM:
