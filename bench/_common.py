@@ -36,11 +36,11 @@ def winner_params(op, shape, device, tune_missing: bool, tune_flags: list[str], 
     return load_winner(op, shape, device.name, run, l2_bytes=device.l2_bytes).params
 
 
-def stored_case(op_name: str, m: int, d: int, dtype: str = "bf16"):
+def stored_case(op_name: str, m: int, d: int, dtype: str = "bf16", residual: bool = False):
     """(device, op, shape, run, params of the stored winner) of one norm shape, for a probe of it."""
     device = gpu.open_device()
     op = get_op(op_name)
-    shape = op.shape(d=d, dtype=dtype)
+    shape = op.shape(d=d, dtype=dtype, residual=residual)
     run = {"m": m}
     return device, op, shape, run, winner_params(op, shape, device, False, [], run=run)
 

@@ -3,11 +3,16 @@ where it is the best peer hot (RMSNorm 16384×8192 under the copy of the same by
 eviction policy of every load, and the launch configs it was given. Writes
 bench/results/<gpu>/norms_inductor_code_probe.json and the sources beside it (.txt).
 
-    python bench/norms_inductor_code_probe.py
+    python bench/norms_inductor_code_probe.py                           # the three shapes below
+    python bench/norms_inductor_code_probe.py rmsnorm+res:4096x4096 --as NAME   # those shapes, to NAME.json/.txt
+
+The residual form is compiled as the bench's Inductor peer runs it (mage_gen.peers): h = x + r, the norm of h,
+both copied into outputs given.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 
@@ -18,44 +23,73 @@ from torch._inductor.utils import run_and_get_code
 from mage_gen import gpu
 
 from _common import provenance, write_result  # bench/_common.py, beside this script
+from norms_keep_probe import inductor_configs
 
 SHAPES = [("rmsnorm", 4096, 8192), ("rmsnorm", 16384, 8192), ("layernorm", 16384, 8192)]
 EPS = 1e-5
 
 
-def eager(kind: str):
-    def rms(x, w):
-        return F.rms_norm(x, (x.shape[-1],), w, EPS)
+def eager(kind: str, residual: bool):
+    def norm(h, *weights):
+        if kind == "rmsnorm":
+            return F.rms_norm(h, (h.shape[-1],), weights[0], EPS)
+        return F.layer_norm(h, (h.shape[-1],), weights[0], weights[1], EPS)
 
-    def layer(x, w, b):
-        return F.layer_norm(x, (x.shape[-1],), w, b, EPS)
-    return rms if kind == "rmsnorm" else layer
+    def plain(x, y, *weights):
+        return y.copy_(norm(x, *weights))
+
+    def with_residual(x, r, y, r_out, *weights):
+        h = x + r
+        return y.copy_(norm(h, *weights)), r_out.copy_(h)
+    return with_residual if residual else plain
+
+
+def parse_shape(text: str) -> tuple[str, bool, int, int]:
+    op, _, dims = text.partition(":")
+    m, _, d = dims.partition("x")
+    kind, residual = op.removesuffix("+res"), op.endswith("+res")
+    if kind not in ("rmsnorm", "layernorm") or not (m.isdigit() and d.isdigit()):
+        raise SystemExit(f"norms_inductor_code_probe: error: shape {text!r} is not OP[+res]:MxD "
+                         "(rmsnorm or layernorm, e.g. rmsnorm+res:4096x4096)")
+    return kind, residual, int(m), int(d)
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("shapes", nargs="*", type=parse_shape, help="OP[+res]:MxD (default: the three of SHAPES)")
+    parser.add_argument("--as", dest="name", default="norms_inductor_code_probe", help="result file name, no suffix")
+    args = parser.parse_args()
     device = gpu.open_device()
-    rows, texts = [], []
-    for kind, m, d in SHAPES:
+    rows, texts, seen = [], [], set()
+    for kind, residual, m, d in args.shapes or [(kind, False, m, d) for kind, m, d in SHAPES]:
         torch._dynamo.reset()
-        x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
+        x, y = (torch.randn(m, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        rows_in = [x, torch.randn_like(x), y, torch.empty_like(x)] if residual else [x, y]
         weights = [torch.randn(d, device="cuda", dtype=torch.bfloat16) for _ in range(1 if kind == "rmsnorm" else 2)]
-        _, sources = run_and_get_code(torch.compile(eager(kind), dynamic=False, fullgraph=True), x, *weights)
+        compiled = torch.compile(eager(kind, residual), dynamic=False, fullgraph=True)
+        _, sources = run_and_get_code(compiled, *rows_in, *weights)
+        compiled(*rows_in, *weights)  # once more, autotuned: inductor_configs reads the launcher it kept
+        torch.cuda.synchronize()
         source = "\n".join(sources)
+        name = f"{kind}{'+res' if residual else ''} {m}x{d}"
         rows.append({
-            "op": kind, "m": m, "d": d,
+            "op": kind, "residual": residual, "m": m, "d": d,
             "loads": re.findall(r"tl\.load\([^\n]*", source),
             "stores": re.findall(r"tl\.store\([^\n]*", source),
             "eviction_policies": sorted(set(re.findall(r"eviction_policy='(\w+)'", source))),
             "heuristics": re.findall(r"@triton_heuristics\.\w+\([^@]*?\)\n@triton\.jit", source, re.S),
+            # what its autotuner picked on the first call, and the load forms of the PTX
+            "autotuned": inductor_configs(seen),
         })
-        texts.append(f"===== {kind} {m}x{d} bf16 =====\n{source}\n")
-        print(f"{kind} {m}x{d}: eviction policies {rows[-1]['eviction_policies']}", flush=True)
+        texts.append(f"===== {name} bf16 =====\n{source}\n")
+        print(f"{name}: eviction policies {rows[-1]['eviction_policies']}; autotuned {rows[-1]['autotuned']}",
+              flush=True)
         for line in rows[-1]["loads"] + rows[-1]["stores"]:
             print("   ", line.strip(), flush=True)
     doc = {"what": "Inductor's generated code for the eager bf16 norms of bench/norms.py; recorded by "
                    "bench/norms_inductor_code_probe.py", **provenance(device), "shapes": rows}
-    write_result(device, "norms_inductor_code_probe.json", json.dumps(doc, indent=1) + "\n")
-    write_result(device, "norms_inductor_code_probe.txt", "".join(texts))
+    write_result(device, f"{args.name}.json", json.dumps(doc, indent=1) + "\n")
+    write_result(device, f"{args.name}.txt", "".join(texts))
 
 
 if __name__ == "__main__":

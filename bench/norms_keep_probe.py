@@ -9,6 +9,8 @@ Writes bench/results/<gpu>/norms_keep_probe.json.
 
     python bench/norms_keep_probe.py                        # the three shapes below
     python bench/norms_keep_probe.py rmsnorm:16384x8192     # that shape alone
+    python bench/norms_keep_probe.py rmsnorm+res:4096x4096  # the residual form (pass 2 reads x and residual again
+                                                            # and writes their sum, as Inductor's does; no clones)
     python bench/norms_keep_probe.py --as NAME ...          # writes NAME.json instead
 """
 import dataclasses
@@ -122,16 +124,17 @@ def main() -> None:
     if args[:1] == ["--as"]:
         name, args = args[1], args[2:]
     cases = [(a.split(":")[0], *(int(n) for n in a.split(":")[1].split("x"))) for a in args] or CASES
-    for op_name, m, d in cases:
-        label = f"{op_name} {m}x{d}"
-        device, op, shape, run, stored = stored_case(op_name, m, d)
+    for op_label, m, d in cases:
+        label, op_name, residual = f"{op_label} {m}x{d}", op_label.removesuffix("+res"), op_label.endswith("+res")
+        device, op, shape, run, stored = stored_case(op_name, m, d, residual=residual)
+        vectors = d * element_type(shape.dtype).itemsize // 16
         wide = dataclasses.replace(stored, template="wide", rows_per_block=1, grid_cap=0, weights="late",
                                    min_blocks=1, hold="float", l2_ahead=0, ahead_priority="normal",
                                    stats="two_pass", vector=16)
         configs = {"stored": stored, **{f"stored t{t}": dataclasses.replace(stored, threads=t) for t in (256, 512)
                                         if t != stored.threads},
                    **{f"wide t{t} b{b} {h}": dataclasses.replace(wide, threads=t, min_blocks=b, hint=h)
-                      for t, blocks in WIDE_BLOCKS.items() for b in blocks for h in WIDE_HINTS}}
+                      for t, blocks in WIDE_BLOCKS.items() if t <= vectors for b in blocks for h in WIDE_HINTS}}
         variants = build_named(op, shape, configs, device.arch, label)
         with named_beside_peers(op, shape, run, device, variants) as (bench, subjects, gates, peers, missing):
             row = {"kernels": {n: v.source.kernel_name for n, v in variants.items()},
@@ -143,9 +146,10 @@ def main() -> None:
                    "peer_configs": {p.name: p.config for p in peers},
                    "inductor_kernels": inductor_configs(seen)}
             extra = []
-            if op_name == "rmsnorm":
+            if op_name == "rmsnorm" and not residual:
                 extra, row["clone_gates"] = clones(bench, op, shape, run)
-            sources = (on_gpu(bench.timing_buffers()["x"].ptr, (m, d), element_type(shape.dtype)),)
+            sources = tuple(on_gpu(buffer.ptr, (m, d), element_type(shape.dtype))
+                            for k, buffer in bench.timing_buffers().items() if k in ("x", "residual"))
             copies = copy_subjects(op.bytes_moved(shape, run), sources)
             everyone = subjects + [p for p in peers if p.name in ("inductor", "triton")] + extra + copies
             tables = {method: interleave(everyone, method, ROUNDS, PER_ROUND) for method in ("hot", "cold")}
