@@ -119,3 +119,27 @@ def test_keep_is_refused_where_the_template_cannot_serve_it(params, shape_args, 
     shape = op.shape(**{"d": 1024, "dtype": "bf16", **shape_args})
     with pytest.raises(ConfigError, match=words):
         op.validate(shape, op.params_from_dict({"threads": 64, "vector": 16, **params}))
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("hint", ["nc", "keep_unreleased"])
+def test_a_wide_layer_norm_takes_shifted_statistics_in_one_reduction_without_a_division(residual, hint):
+    op = get_op("layernorm")
+    shape = op.shape(d=1024, dtype="bf16", residual=residual)
+    shifted = build(op, shape, wide(op, threads=64, hint=hint, stats="shifted"), ARCH)
+    chan = build(op, shape, wide(op, threads=64, hint=hint), ARCH)
+    assert shifted.source.kernel_name.endswith("_shift")
+    # the shift is the row's first element (and its residual's): one scalar load each beside the row
+    assert {"x_first", "residual_first"} & set(shifted.census.global_loads) == (
+        {"x_first", "residual_first"} if residual else {"x_first"})
+    assert shifted.census.bar_sync == chan.census.bar_sync == 1
+    assert "div.rn.f32" in chan.compiled.ptx and "div.rn.f32" not in shifted.compiled.ptx
+    for m in (1, 5):
+        result = interp.gate(op, shape, shifted, {"m": m}, np.random.default_rng(m))
+        assert result.passed, result.reason
+
+
+def test_shifted_statistics_in_wide_need_rows_of_whole_vectors():
+    op = get_op("layernorm")
+    with pytest.raises(ConfigError, match="^wide-options: .*whole vectors"):
+        op.validate(op.shape(d=1001 * 2, dtype="bf16"), wide(op, threads=64, stats="shifted"))
