@@ -36,6 +36,17 @@ def winner_params(op, shape, device, tune_missing: bool, tune_flags: list[str], 
     return load_winner(op, shape, device.name, run, l2_bytes=device.l2_bytes).params
 
 
+def norm_case(text: str) -> tuple[str, bool, int, int]:
+    """OP[+res]:MxD, as the norms' probes take a shape on their command line -> (op name, residual, m, d)."""
+    op, _, dims = text.partition(":")
+    m, _, d = dims.partition("x")
+    name, residual = op.removesuffix("+res"), op.endswith("+res")
+    if name not in ("rmsnorm", "layernorm") or not (m.isdigit() and d.isdigit()):
+        raise SystemExit(f"error: shape {text!r} is not OP[+res]:MxD (rmsnorm or layernorm, "
+                         "e.g. rmsnorm+res:4096x4096)")
+    return name, residual, int(m), int(d)
+
+
 def stored_case(op_name: str, m: int, d: int, dtype: str = "bf16", residual: bool = False):
     """(device, op, shape, run, params of the stored winner) of one norm shape, for a probe of it."""
     device = gpu.open_device()

@@ -22,7 +22,7 @@ from torch._inductor.utils import run_and_get_code
 
 from mage_gen import gpu
 
-from _common import provenance, write_result  # bench/_common.py, beside this script
+from _common import norm_case, provenance, write_result  # bench/_common.py, beside this script
 from norms_keep_probe import inductor_configs
 
 SHAPES = [("rmsnorm", 4096, 8192), ("rmsnorm", 16384, 8192), ("layernorm", 16384, 8192)]
@@ -44,19 +44,9 @@ def eager(kind: str, residual: bool):
     return with_residual if residual else plain
 
 
-def parse_shape(text: str) -> tuple[str, bool, int, int]:
-    op, _, dims = text.partition(":")
-    m, _, d = dims.partition("x")
-    kind, residual = op.removesuffix("+res"), op.endswith("+res")
-    if kind not in ("rmsnorm", "layernorm") or not (m.isdigit() and d.isdigit()):
-        raise SystemExit(f"norms_inductor_code_probe: error: shape {text!r} is not OP[+res]:MxD "
-                         "(rmsnorm or layernorm, e.g. rmsnorm+res:4096x4096)")
-    return kind, residual, int(m), int(d)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("shapes", nargs="*", type=parse_shape, help="OP[+res]:MxD (default: the three of SHAPES)")
+    parser.add_argument("shapes", nargs="*", type=norm_case, help="OP[+res]:MxD (default: the three of SHAPES)")
     parser.add_argument("--as", dest="name", default="norms_inductor_code_probe", help="result file name, no suffix")
     args = parser.parse_args()
     device = gpu.open_device()

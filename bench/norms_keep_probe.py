@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 from _beside_copy import build_named, named_beside_peers
-from _common import provenance, stored_case, write_result
+from _common import norm_case, provenance, stored_case, write_result
 from _copy import FLOOR, copy_subjects, settle
 
 from mage_gen.dtypes import dtype as element_type
@@ -123,9 +123,9 @@ def main() -> None:
     args, name = sys.argv[1:], "norms_keep_probe"
     if args[:1] == ["--as"]:
         name, args = args[1], args[2:]
-    cases = [(a.split(":")[0], *(int(n) for n in a.split(":")[1].split("x"))) for a in args] or CASES
-    for op_label, m, d in cases:
-        label, op_name, residual = f"{op_label} {m}x{d}", op_label.removesuffix("+res"), op_label.endswith("+res")
+    cases = [norm_case(a) for a in args] or [(op_name, False, m, d) for op_name, m, d in CASES]
+    for op_name, residual, m, d in cases:
+        label = f"{op_name}{'+res' if residual else ''} {m}x{d}"
         device, op, shape, run, stored = stored_case(op_name, m, d, residual=residual)
         vectors = d * element_type(shape.dtype).itemsize // 16
         wide = dataclasses.replace(stored, template="wide", rows_per_block=1, grid_cap=0, weights="late",
