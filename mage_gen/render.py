@@ -32,7 +32,10 @@ class Source:
 
 # ---- helpers the PTX vocabulary calls; they keep string logic out of the templates ----
 
-_LOAD_HINTS = {"": "", "nc": ".nc", "nc_na": ".nc.L1::no_allocate", "cg": ".cg", "cs": ".cs"}
+# a load's state space and cache operator, as they follow `ld`; volatile: issued where it is written, never hoisted
+# out of its loop or merged with another load of the address (it takes no cache policy)
+_LOAD_HINTS = {"": ".global", "nc": ".global.nc", "nc_na": ".global.nc.L1::no_allocate", "cg": ".global.cg",
+               "cs": ".global.cs", "volatile": ".volatile.global"}
 _STORE_HINTS = {"": "", "cs": ".cs", "cg": ".cg"}
 
 

@@ -132,6 +132,9 @@ def test_a_wide_layer_norm_takes_shifted_statistics_in_one_reduction_without_a_d
     # the shift is the row's first element (and its residual's): one scalar load each beside the row
     assert {"x_first", "residual_first"} & set(shifted.census.global_loads) == (
         {"x_first", "residual_first"} if residual else {"x_first"})
+    # volatile, so that ptxas keeps it in pass 1's loop beside the chunk loads: hoisted, the row waited on it alone
+    first_loads = [line for line in shifted.compiled.ptx.splitlines() if "tensor=x_first" in line]
+    assert first_loads and all("ld.volatile.global" in line for line in first_loads)
     assert shifted.census.bar_sync == chan.census.bar_sync == 1
     assert "div.rn.f32" in chan.compiled.ptx and "div.rn.f32" not in shifted.compiled.ptx
     for m in (1, 5):
