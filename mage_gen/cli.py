@@ -732,7 +732,8 @@ def _tune_size_class(op: Op, shape: Any, run: dict[str, int], space: Any, replay
     incumbent = stored_params(op, shape, run, backend.device["name"], tuned) if store else None
     unrecorded: list[str] = []
     if incumbent is not None:
-        _log(f"  the stored winner {op.kernel_name(shape, incumbent)} is measured first where the preset holds it")
+        _log(f"  the stored winner {op.kernel_name(shape, incumbent)} is measured first where the preset holds it, "
+             "and re-timed in the final round")
         named = stored_axes(op, shape, run, backend.device["name"], tuned)
         unrecorded = [axis for axis, values in space.axes if axis not in named and len(values) > 1]
         if unrecorded:

@@ -211,7 +211,8 @@ def tune(op: Op, shape: Any, run: dict[str, int], space: Space, backend: Backend
     with the opened study, it starts other workers on it (fleet.py) and returns a handle whose wait() is called
     before the final round; their trials count towards the same budget. incumbent: the params of the size
     class's stored winner; where they lie in the space and the study has not measured them, they are measured
-    first, so that a search over another preset always has the stored winner among its candidates. unrecorded: axes
+    first, so that a search over another preset always has the stored winner among its candidates; in the space or
+    not, it is re-timed in the final round. unrecorded: axes
     the stored winner's entry does not name (it was tuned before they existed): the incumbent at each of their other
     values in the space is measured first too, the one new lever tried on the config that won without it. Then
     the space's `first` configs (the peers' shapes) that lie in it, each re-timed in the final round too."""
@@ -257,7 +258,15 @@ def tune(op: Op, shape: Any, run: dict[str, int], space: Space, backend: Backend
             others.wait()
     done = _finished(study, op, shape, keys)
     return _finish(op, shape, study, done, valid, rejected, backend, objective, measured, from_earlier_runs,
-                   "exhaustive" if exhaustive else "tpe", progress, {params_key(op, p) for p in first})
+                   "exhaustive" if exhaustive else "tpe", progress, {params_key(op, p) for p in first}, incumbent)
+
+
+def _valid(op: Op, shape: Any, params: Any) -> bool:
+    try:
+        op.validate(shape, params)
+    except ConfigError:
+        return False
+    return True
 
 
 def _first(op: Op, shape: Any, space: Space) -> list[Any]:
@@ -474,7 +483,7 @@ def _measure(op: Op, shape: Any, params: Any, backend: Backend, trial: optuna.Tr
 
 
 def _finish(op, shape, study, done, valid, rejected, backend, objective, measured, reused, sampler, progress,
-            first):
+            first, incumbent=None):
     completed = sorted((k for k, o in done.items() if o.value is not None), key=lambda k: done[k].value)
     failed = {o.kernel: o.reason for o in done.values() if o.value is None}
     if not completed:
@@ -484,6 +493,10 @@ def _finish(op, shape, study, done, valid, rejected, backend, objective, measure
     # round, beside the peers, is where a peer's own shape is to be beaten or kept (bench/NOTES.md, norms §16).
     chosen = completed[:FINALISTS] + [k for k in completed[FINALISTS:] if k in first]
     finalists: list[Variant] = [build(op, shape, op.params_from_dict(json.loads(k)), backend.arch) for k in chosen]
+    # The stored winner too, however the study ranked it, or whether it could (outside the preset, it was never
+    # measured): a retune replaces it only by beating it beside the peers, never because another preset lacks it.
+    if incumbent is not None and params_key(op, incumbent) not in chosen and _valid(op, shape, incumbent):
+        finalists.append(build(op, shape, incumbent, backend.arch))
     if progress:
         progress("final", 0, len(finalists))
     timings, peer_configs, dropped = backend.final(finalists)

@@ -344,6 +344,20 @@ def test_a_stored_winner_measured_already_or_outside_the_space_is_not_measured_f
     exhaustive = Recorder(recording_path)
     run_tune(exhaustive, small, tmp_path, study_name="small", trials=3, incumbent=outside)
     assert exhaustive.evaluated == kernels(valid)[:3]
+    assert OP.kernel_name(SHAPE, outside) in exhaustive.finalists  # but it is re-timed beside the finalists
+
+
+def test_a_stored_winner_outside_the_preset_stays_the_winner_where_the_final_round_finds_it_faster(
+        recording, recorded, small, tmp_path):
+    valid, _ = expand(OP, SHAPE, small)
+    inside = [hot_median(recording, k) for k in kernels(valid) if hot_median(recording, k) is not None]
+    outside = next(p for p in expand(OP, SHAPE, recorded)[0] if p not in valid)
+    for median, wins in ((0.9 * min(inside), True), (1.5 * max(inside), False)):
+        timed(by_kernel(recording)[OP.kernel_name(SHAPE, outside)], median, 0.01)
+        path = write_derived(tmp_path, recording)
+        result = run_tune(Recorder(path), small, tmp_path, study_name=f"small-{wins}", incumbent=outside)
+        assert (result.winner.params == outside) is wins
+        assert result.winner.params in ([outside] if wins else valid)
 
 
 def test_a_space_s_first_configs_are_measured_after_the_stored_winner_where_the_space_holds_them(
