@@ -101,21 +101,26 @@ def _first(path: Path, spec: dict[str, Any]) -> tuple[tuple[tuple[str, Any], ...
 def expand(op: Op, shape: Any, space: Space, arch: str | None = None) -> tuple[list[Any], list[tuple[Any, str]]]:
     """Every combination of the space for this shape, split into valid params and (params, rule broken); with
     arch, a config whose instructions that arch lacks (l2_ahead's sm_90 prefetch) is rejected too."""
-    target = arch_number(arch) if arch else None
     valid, rejected = [], []
     make = _checked_maker(op, space)
     for values in space.combinations():
         params = make(values)
-        try:
-            op.validate(shape, params)
-        except ConfigError as exc:
-            rejected.append((params, str(exc)))
-            continue
-        if target is not None and (needed := op.min_arch_of(shape, params)) > target:
-            rejected.append((params, f"arch: {op.kernel_name(shape, params)} needs sm_{needed}, not {arch}"))
-        else:
+        if (reason := rejection(op, shape, params, arch)) is None:
             valid.append(params)
+        else:
+            rejected.append((params, reason))
     return valid, rejected
+
+
+def rejection(op: Op, shape: Any, params: Any, arch: str | None = None) -> str | None:
+    """The rule these params break for this shape (and, with arch, the instruction that arch lacks), or None."""
+    try:
+        op.validate(shape, params)
+    except ConfigError as exc:
+        return str(exc)
+    if arch and (needed := op.min_arch_of(shape, params)) > arch_number(arch):
+        return f"arch: {op.kernel_name(shape, params)} needs sm_{needed}, not {arch}"
+    return None
 
 
 def _checked_maker(op: Op, space: Space) -> Callable[[dict[str, Any]], Any]:

@@ -35,7 +35,7 @@ from mage_gen.compile import nvrtc_version
 from mage_gen.errors import CompileError, ConfigError, MageError
 from mage_gen.ops import Op
 from mage_gen.ops.base import shape_dict
-from mage_gen.space import Space, expand
+from mage_gen.space import Space, expand, rejection
 from mage_gen.timing import OBJECTIVES, Timing, by_objective
 from mage_gen.variants import Variant, build, prebuild
 
@@ -259,14 +259,6 @@ def tune(op: Op, shape: Any, run: dict[str, int], space: Space, backend: Backend
     done = _finished(study, op, shape, keys)
     return _finish(op, shape, study, done, valid, rejected, backend, objective, measured, from_earlier_runs,
                    "exhaustive" if exhaustive else "tpe", progress, {params_key(op, p) for p in first}, incumbent)
-
-
-def _valid(op: Op, shape: Any, params: Any) -> bool:
-    try:
-        op.validate(shape, params)
-    except ConfigError:
-        return False
-    return True
 
 
 def _first(op: Op, shape: Any, space: Space) -> list[Any]:
@@ -495,7 +487,8 @@ def _finish(op, shape, study, done, valid, rejected, backend, objective, measure
     finalists: list[Variant] = [build(op, shape, op.params_from_dict(json.loads(k)), backend.arch) for k in chosen]
     # The stored winner too, however the study ranked it, or whether it could (outside the preset, it was never
     # measured): a retune replaces it only by beating it beside the peers, never because another preset lacks it.
-    if incumbent is not None and params_key(op, incumbent) not in chosen and _valid(op, shape, incumbent):
+    if (incumbent is not None and params_key(op, incumbent) not in chosen
+            and rejection(op, shape, incumbent, backend.arch) is None):
         finalists.append(build(op, shape, incumbent, backend.arch))
     if progress:
         progress("final", 0, len(finalists))
