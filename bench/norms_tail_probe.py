@@ -7,9 +7,12 @@ GPU would cost a share that falls as 1/M. Here one config per op (the 4096-row c
 the tail is what is left, the kernel's share of the copy climbs with M by about the block's life over the
 launch's time. The same bytes as half-length rows (the d = 4096, 32768-row class's winner at 8192 rows) and the 16384-row
 class's winner at 4096 rows ride along: a shorter block life should close the gap if the tail is the cause.
-Writes bench/results/<gpu>/norms_tail_probe.json.
+Writes bench/results/<gpu>/norms_tail_probe.json. `sweep`: the layer norm's two d = 8192 classes' winners from 2048
+to 32768 rows, so that the kernel's time less the copy's, against M, says what is a fixed cost of a launch and what
+grows with the rows (norms_tail_sweep_probe.json).
 
     python bench/norms_tail_probe.py
+    python bench/norms_tail_probe.py sweep
 """
 import json
 import sys
@@ -28,6 +31,7 @@ from mage_gen.variants import build
 
 # (d, rows of the tuned class whose winner runs, rows timed)
 CASES = ((8192, 4096, 4096), (8192, 4096, 8192), (8192, 4096, 16384), (8192, 16384, 4096), (4096, 32768, 8192))
+SWEEP = tuple((8192, config_rows, m) for config_rows in (4096, 16384) for m in (2048, 4096, 8192, 16384, 32768))
 
 
 def probe(device, op_name: str, d: int, config_rows: int, m: int, params) -> dict:
@@ -59,13 +63,15 @@ def probe(device, op_name: str, d: int, config_rows: int, m: int, params) -> dic
     return row
 
 
+sweep = sys.argv[1:] == ["sweep"]
+cases, names = (SWEEP, ("layernorm",)) if sweep else (CASES, ("layernorm", "rmsnorm"))
 device = gpu.open_device()
 rows = []
-for name in ("layernorm", "rmsnorm"):
+for name in names:
     op = get_op(name)
-    for d, config_rows, m in CASES:
+    for d, config_rows, m in cases:
         shape = op.shape(d=d, dtype="bf16")
         params = load_winner(op, shape, device.name, {"m": config_rows}, l2_bytes=device.l2_bytes).params
         rows.append(probe(device, name, d, config_rows, m, params))
-doc = {"what": __doc__.split("\n\n")[0], "dtype": "bfloat16", "cases": CASES, "rows": rows}
-write_result(device, "norms_tail_probe.json", json.dumps(doc, indent=1) + "\n")
+doc = {"what": __doc__.split("\n\n")[0], "dtype": "bfloat16", "cases": cases, "rows": rows}
+write_result(device, "norms_tail_sweep_probe.json" if sweep else "norms_tail_probe.json", json.dumps(doc, indent=1) + "\n")

@@ -24,11 +24,12 @@ def ahead(op, template="row", rows=1, kb=1, **extra):
 
 @pytest.mark.parametrize("op_name", ["layernorm", "rmsnorm"])
 @pytest.mark.parametrize("residual", [False, True])
-@pytest.mark.parametrize("template,rows", [("row", 1), ("multirow", 2)])
-def test_a_block_asks_l2_for_a_later_blocks_rows_and_the_output_is_unchanged(op_name, residual, template, rows):
+@pytest.mark.parametrize("template,rows,extra", [("row", 1, {}), ("multirow", 2, {}), ("wide", 1, {}),
+                                                 ("wide", 1, {"hint": "keep_unreleased"})])
+def test_a_block_asks_l2_for_a_later_blocks_rows_and_the_output_is_unchanged(op_name, residual, template, rows, extra):
     op = get_op(op_name)
     shape = op.shape(d=256, dtype="bf16", residual=residual)
-    variant = build(op, shape, ahead(op, template, rows), ARCH)
+    variant = build(op, shape, ahead(op, template, rows, **extra), ARCH)
     assert variant.census.l2_prefetch == {"x": 1, **({"residual": 1} if residual else {})}
     assert variant.source.kernel_name.endswith("_ahead1k")
     # 1 KB is two rows of 512 bytes: the block two groups on (one for a block of two rows) at 1 row, at a part-filled
@@ -134,7 +135,7 @@ def test_the_distance_is_in_whole_row_groups_of_at_least_one():
 
 
 @pytest.mark.parametrize("values,why", [
-    ({"template": "wide", "rows_per_block": 1}, "one row group per block"),
+    ({"template": "wide", "ahead_priority": "last"}, "template wide never gives the rows asked ahead"),
     ({"grid_cap": 528}, "one row group per block"),
     ({"l2_ahead": -1}, "KB of rows ahead"),
     ({"l2_ahead": 0, "ahead_priority": "last"}, "l2_ahead is 0"),

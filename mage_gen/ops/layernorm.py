@@ -262,9 +262,12 @@ class LayerNorm:
                               f"({v} elements) must divide d={d}; use weights late or a narrower vector")
         if not isinstance(p.l2_ahead, int) or p.l2_ahead < 0:
             raise ConfigError(f"l2-ahead: l2_ahead is KB of rows ahead (0: none), got {p.l2_ahead!r}")
-        if p.l2_ahead and (p.template == "wide" or p.grid_cap):
-            raise ConfigError("l2-ahead: only a grid of one row group per block (template row or multirow, grid_cap 0) "
-                              "asks L2 for a later block's rows; leave l2_ahead at 0")
+        if p.l2_ahead and p.grid_cap:
+            raise ConfigError("l2-ahead: only a grid of one row group per block (grid_cap 0) asks L2 for a later "
+                              "block's rows; leave l2_ahead at 0")
+        if p.template == "wide" and p.ahead_priority != "normal":
+            raise ConfigError("ahead-priority: template wide never gives the rows asked ahead normal priority again "
+                              "once read; leave ahead_priority at normal")
         if p.ahead_priority not in AHEAD_PRIORITIES:
             raise ConfigError(f"ahead-priority: ahead_priority must be one of {AHEAD_PRIORITIES}, got {p.ahead_priority!r}")
         if p.ahead_priority != "normal" and not p.l2_ahead:
