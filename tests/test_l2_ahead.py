@@ -174,3 +174,24 @@ def test_a_space_expanded_for_an_older_arch_leaves_it_out():
     assert any(p.l2_ahead for p in for_90)
     assert for_80 == [p for p in for_90 if not p.l2_ahead]
     assert any("needs sm_90, not sm_80" in why for _, why in rejected)
+
+
+@pytest.mark.parametrize("op_name", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("template,rows,grid_cap", [("row", 1, 0), ("multirow", 2, 0), ("row", 1, 2)])
+def test_weights_asked_of_l2_by_the_first_block_and_the_output_is_unchanged(op_name, template, rows, grid_cap):
+    op = get_op(op_name)
+    shape = op.shape(d=256, dtype="bf16")
+    variant = build(op, shape, ahead(op, template, rows, kb=0, weights="l2", grid_cap=grid_cap), ARCH)
+    assert variant.census.l2_prefetch == {"w": 1, **({"b": 1} if op_name == "layernorm" else {})}
+    assert variant.source.kernel_name.endswith("_wl2")
+    assert op.min_arch_of(shape, variant.params) == 90
+    assert op.contract(shape, variant.params)["tensors"]["w"]["alignment_bytes"] == 16
+    for m in (1, 5):
+        result = interp.gate(op, shape, variant, {"m": m}, np.random.default_rng(m))
+        assert result.passed, result.reason
+
+
+def test_weights_that_are_not_whole_16_byte_units_are_not_asked_for():
+    op = get_op("layernorm")
+    with pytest.raises(ConfigError, match="weights: a bulk prefetch"):
+        op.validate(op.shape(d=772, dtype="bf16"), ahead(op, kb=0, vector=4, weights="l2"))
