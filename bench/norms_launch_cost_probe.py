@@ -12,7 +12,9 @@ cost, at the launch's start or its end. Two leads:
   while the first wave reduces; asked further ahead than the resident rows (10 MB and more), a prefetch is never
   of a row in flight.
 Each config gated, then timed hot and cold, interleaved, on one copy of the inputs beside the copy of the same
-bytes. Writes bench/results/<gpu>/norms_launch_cost_probe.json.
+bytes. Writes bench/results/<gpu>/norms_launch_cost_probe.json. `weights = shared` lost, and left the op after
+commit d33623b, whose templates the recorded run used; at later commits the probe names those configs refused and
+times the others.
 The set `l2`: the weights read late, as the 4096-row winner reads them, and asked of L2 by the launch's first
 block as it starts (weights l2), so that in a cold launch the first wave's rows, done with their statistics, find
 w and b in L2 and do not all wait on DRAM for them, while DRAM has little else queued; the stored winners of

@@ -34,6 +34,13 @@ CASES = [
                                                       "ahead_priority": "last"}),
     (LN, dict(d=8192, dtype="bf16"), {"threads": 128, "vector": 16, "min_blocks": 4, "l2_ahead": 2048,
                                       "ahead_priority": "last"}),
+    # the weights asked of L2 by the launch's first block; template wide asking for later blocks' rows
+    (LN, dict(d=8192, dtype="bf16"), {"threads": 128, "vector": 16, "min_blocks": 5, "l2_ahead": 1024, "weights": "l2"}),
+    (RMS, dict(d=768, dtype="bf16", residual=True), {"template": "multirow", "threads": 32, "vector": 16,
+                                                     "rows_per_block": 2, "hold": "packed", "grid_cap": 528,
+                                                     "weights": "l2"}),
+    (LN, dict(d=8192, dtype="bf16", residual=True), {"template": "wide", "threads": 256, "vector": 16,
+                                                     "hint": "keep_unreleased", "stats": "shifted", "l2_ahead": 2048}),
     # rows too wide for registers, at few rows: the gate's float64 reference is computed on the host
     (LN, dict(d=131074, dtype="bf16", residual=True), {"template": "wide", "threads": 512, "vector": 16, "m": 37}),
     (RMS, dict(d=100002, dtype="fp16", weight_dtype="fp32"), {"template": "wide", "threads": 1024, "vector": 8,

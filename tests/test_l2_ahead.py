@@ -171,8 +171,8 @@ def test_a_space_expanded_for_an_older_arch_leaves_it_out():
     space = load_space(op, "short", shape)
     for_90, _ = expand(op, shape, space, "sm_90")
     for_80, rejected = expand(op, shape, space, "sm_80")
-    assert any(p.l2_ahead for p in for_90)
-    assert for_80 == [p for p in for_90 if not p.l2_ahead]
+    assert any(p.l2_ahead for p in for_90) and any(p.weights == "l2" for p in for_90)
+    assert for_80 == [p for p in for_90 if not p.l2_ahead and p.weights != "l2"]
     assert any("needs sm_90, not sm_80" in why for _, why in rejected)
 
 

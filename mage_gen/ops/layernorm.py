@@ -46,7 +46,7 @@ STATS = ("two_pass", "one_pass", "shifted")
 HINTS = ("none", "nc", "stream", "keep", "keep_unreleased")
 # hints of template wide alone: its first pass reads the row under an L2 evict-last policy, its second at evict-first
 KEEP_HINTS = ("keep", "keep_unreleased")
-WEIGHTS = ("late", "early", "shared", "l2")
+WEIGHTS = ("late", "early", "l2")
 HOLDS = ("float", "packed")
 AHEAD_PRIORITIES = ("normal", "last")
 MAX_D = 1 << 20
@@ -55,7 +55,6 @@ MAX_ROWS = 2**31 - 1024
 # Elements of x the gate draws fresh for every check, at most (a persistent grid may need more rows)
 GATE_ELEMENTS = 1 << 22
 MAX_THREADS_PER_SM = 2048  # sm_70 to sm_90
-MAX_STATIC_SHARED = 48 * 1024  # a block's static shared memory, any arch
 MAX_VALUES_PER_THREAD = 64  # floats of one row a thread may hold; beyond it ptxas starts to spill
 _REGISTERS_PER_VALUE = {1: 5.0, 2: 3.5, 4: 2.25}  # by 4-byte words per access
 # Registers beyond the values held that a min_blocks > 1 variant is left at least: under that cap ptxas spills
@@ -96,10 +95,10 @@ class Params:
     stats: str = "two_pass"
     grid_cap: int = 0  # 0: a block per row group; N: at most N blocks walk the rows, prefetching the next
     # late: w and b read after the statistics, where they are used; early: beside x, held until then (a
-    # persistent block reads them once); shared: copied beside x into shared memory (cp.async), which holds them
-    # for the block's rows without a register, and read from there after the statistics; l2: read late, and asked
-    # of L2 by the launch's first block as it starts (one bulk prefetch each, sm_90), so that where L2 does not
-    # hold them (a cold launch) the first rows to need them do not each wait on DRAM for them
+    # persistent block reads them once); l2: read late, and asked of L2 by the launch's first block as it starts
+    # (one bulk prefetch each, sm_90), so that where L2 no longer holds them (a launch after 128 MB streamed
+    # through it, or a cold one) the first wave's rows do not each wait on DRAM for them after their statistics
+    # (bench/NOTES.md, norms §22; weights staged in shared memory by cp.async lost there, commit d33623b)
     weights: str = "late"
     # blocks each SM must hold at once (__launch_bounds__' second argument): ptxas fits the registers to it,
     # so that more rows are in flight where registers, not threads, limit the blocks per SM
@@ -169,14 +168,13 @@ class LayerNorm:
         return Shape(d, act.name, weight.name, residual)
 
     def min_arch_of(self, shape: Shape, params: Params | None = None) -> int:
-        """Packed 16-bit conversions (cvt.rn.bf16x2.f32, cvt.f32.bf16), L2 cache policies (hint keep) and cp.async
-        (weights shared) need sm_80;
+        """Packed 16-bit conversions (cvt.rn.bf16x2.f32, cvt.f32.bf16) and L2 cache policies (hint keep) need sm_80;
         the bulk L2 prefetch (l2_ahead, weights l2) sm_90."""
         act, weight = element_type(shape.dtype), element_type(shape.weight_dtype)
         if params is not None and (params.l2_ahead or params.weights == "l2"):
             return 90
-        if params is not None and (params.hint in KEEP_HINTS or params.weights == "shared"):
-            return 80  # createpolicy, loads under .L2::cache_hint; cp.async
+        if params is not None and params.hint in KEEP_HINTS:  # createpolicy, loads under .L2::cache_hint
+            return 80
         return 80 if act.half or weight.half else self.min_arch
 
     def args(self, shape: Shape) -> tuple[Arg, ...]:
@@ -262,17 +260,13 @@ class LayerNorm:
         if p.hold == "packed" and d % v:
             raise ConfigError(f"hold: a packed row is held in whole vectors, so vector ({v} elements) must divide "
                               f"d={d}; use hold float or a narrower vector")
-        if p.weights != "late" and d % v:
-            raise ConfigError(f"weights: {p.weights} weights need every row's vectors at the same columns, so vector "
+        if p.weights == "early" and d % v:
+            raise ConfigError(f"weights: early weights need every row's vectors at the same columns, so vector "
                               f"({v} elements) must divide d={d}; use weights late or a narrower vector")
         if p.weights == "l2" and d * element_type(shape.weight_dtype).itemsize % 16:
             raise ConfigError(f"weights: a bulk prefetch moves whole 16-byte units, and w of d={d} "
                               f"{element_type(shape.weight_dtype).short} is {d * element_type(shape.weight_dtype).itemsize} "
                               "bytes; use weights late")
-        if p.weights == "shared" and self._staged_weight_bytes(shape) > MAX_STATIC_SHARED - 4096:
-            raise ConfigError(f"weights: shared weights stage w{' and b' if self.norm == 'layer' else ''} "
-                              f"({self._staged_weight_bytes(shape)} bytes at d={d}) in static shared memory, which "
-                              f"holds {MAX_STATIC_SHARED} bytes beside the reductions' few; use weights late or early")
         if not isinstance(p.l2_ahead, int) or p.l2_ahead < 0:
             raise ConfigError(f"l2-ahead: l2_ahead is KB of rows ahead (0: none), got {p.l2_ahead!r}")
         if p.l2_ahead and p.grid_cap:
@@ -332,9 +326,6 @@ class LayerNorm:
         """Elements per access of a row: `vector` bytes of the activation type."""
         return p.vector // element_type(shape.dtype).itemsize
 
-    def _staged_weight_bytes(self, shape: Shape) -> int:
-        return len(self._weight_tensors()) * shape.d * element_type(shape.weight_dtype).itemsize
-
     def _weight_tensors(self) -> tuple[str, ...]:
         return ("w", "b") if self.norm == "layer" else ("w",)
 
@@ -377,7 +368,7 @@ class LayerNorm:
             WU=2 if weight.half else 1, RESIDUAL=shape.residual,
             HOLD_PACKED=p.hold == "packed", HELD_TYPE="unsigned" if p.hold == "packed" else "float",
             HELD_WORDS=v // 2 if p.hold == "packed" else v, HELD_ZERO="0u" if p.hold == "packed" else "0.f",
-            MIN_BLOCKS=p.min_blocks, WB_EARLY=p.weights == "early", WB_SHARED=p.weights == "shared", WB_L2=p.weights == "l2", WSIZE=weight.itemsize, WB_TENSORS=self._weight_tensors(), WB_RAW=v // (2 if weight.half else 1),
+            MIN_BLOCKS=p.min_blocks, WB_EARLY=p.weights == "early", WB_L2=p.weights == "l2", WSIZE=weight.itemsize, WB_TENSORS=self._weight_tensors(), WB_RAW=v // (2 if weight.half else 1),
             L2_AHEAD=p.l2_ahead > 0, ROW_BYTES=d * act.itemsize,
             L2_AHEAD_PRIORITY="" if p.ahead_priority == "normal" else p.ahead_priority,
             # whole row groups, at least the next one
@@ -402,8 +393,6 @@ class LayerNorm:
             shared = (2 if p.grid_cap else 1) * 2 * p.rows_per_block * warps * 4
         else:  # (count, mean, M2) per warp; a persistent block alternates two sets between iterations
             shared = (2 if p.grid_cap else 1) * p.rows_per_block * warps * 3 * 4
-        if p.weights == "shared":
-            shared += self._staged_weight_bytes(shape)
         groups = -(-m // p.rows_per_block)
         return Launch(grid=(min(groups, p.grid_cap) if p.grid_cap else groups, 1, 1),
                       block=(p.threads * p.rows_per_block, 1, 1), dynamic_shared_bytes=0,
