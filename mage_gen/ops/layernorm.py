@@ -96,8 +96,9 @@ class Params:
     grid_cap: int = 0  # 0: a block per row group; N: at most N blocks walk the rows, prefetching the next
     # late: w and b read after the statistics, where they are used; early: beside x, held until then (a
     # persistent block reads them once); l2: read late, and asked of L2 by the launch's first block as it starts
-    # (one bulk prefetch each, sm_90), so that where L2 no longer holds them (a launch after 128 MB streamed
-    # through it, or a cold one) the first wave's rows do not each wait on DRAM for them after their statistics
+    # (one bulk prefetch each, sm_90), so that where L2 no longer holds them (a cold launch, or one after the
+    # launch before streamed rows of many times L2's size through it) the first wave's rows do not each wait on
+    # DRAM for them after their statistics
     # (bench/NOTES.md, norms §22; weights staged in shared memory by cp.async lost there, commit d33623b)
     weights: str = "late"
     # blocks each SM must hold at once (__launch_bounds__' second argument): ptxas fits the registers to it,
