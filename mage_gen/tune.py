@@ -343,6 +343,12 @@ def measure(op: Op, shape: Any, space: Space, backend: Backend, study: optuna.St
     distributions = {axis: optuna.distributions.CategoricalDistribution(values) for axis, values in space.axes}
     fill = random.Random(seed)
     measured = stalls = asks = 0
+    if not _shared(study):
+        # A storage without heartbeats serves one worker, this one: a trial still running was left by a run that was
+        # killed, after it claimed a config or between its proposal and its claim. Left running, it would hold that
+        # config, or a share of the budget, for ever (fail_stale_trials needs heartbeats); failed, it measured nothing.
+        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+            study.tell(t.number, state=optuna.trial.TrialState.FAIL)
     while True:
         optuna.storages.fail_stale_trials(study)  # a dead worker's trial: failed, its config enqueued again
         done = _finished(study, op, shape, valid_keys)

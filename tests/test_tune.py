@@ -30,7 +30,7 @@ from mage_gen.ops.layernorm import LayerNorm
 from mage_gen.space import Space, expand, load_space
 from mage_gen.store import entry_key, load_entry, load_winner, save_entry
 from mage_gen.timing import Timing, by_objective
-from mage_gen.tune import EXHAUSTIVE_LIMIT, FINALISTS, tune
+from mage_gen.tune import EXHAUSTIVE_LIMIT, FINALISTS, params_key, tune
 from mage_gen.variants import build_all
 
 RECORDING = Path(__file__).parent / "fixtures" / "layernorm_trials_h200_d768_m4096.json"
@@ -285,6 +285,25 @@ def test_exhaustive_rerun_measures_the_rest(recording_path, small, tmp_path):
     assert len(first.evaluated) == 4
     assert collections.Counter(first.evaluated + second.evaluated) == collections.Counter(kernels(valid))
     assert result.measured == len(valid) - 4
+
+
+@pytest.mark.parametrize("claimed", [False, True])
+def test_a_trial_a_killed_run_left_running_does_not_hold_the_rerun(recording_path, recorded, tmp_path, claimed):
+    # A run killed between asking for a proposal and claiming its config (or after claiming it) leaves a trial
+    # running. SQLite keeps no heartbeats, so nothing ever fails it: unclaimed, it counted against the budget of
+    # every later proposal, each of which then gave way to it until the study gave up; claimed, its config was
+    # never measured.
+    first = Recorder(recording_path)
+    run_tune(first, recorded, tmp_path, study_name="killed", trials=6)
+    study = optuna.load_study(study_name="killed", storage=sqlite(tmp_path))
+    left = study.ask()
+    unmeasured = [p for p in expand(OP, SHAPE, recorded)[0] if OP.kernel_name(SHAPE, p) not in first.evaluated]
+    if claimed:
+        left.set_user_attr("claim", params_key(OP, unmeasured[0]))
+    second = Recorder(recording_path)
+    result = run_tune(second, recorded, tmp_path, study_name="killed", trials=7)
+    assert result.measured == 1 == len(second.evaluated)
+    assert study.trials[left.number].state == optuna.trial.TrialState.FAIL
 
 
 # ---- a retune starts from the stored winner ----
