@@ -177,11 +177,13 @@ def test_a_space_expanded_for_an_older_arch_leaves_it_out():
 
 
 @pytest.mark.parametrize("op_name", ["layernorm", "rmsnorm"])
-@pytest.mark.parametrize("template,rows,grid_cap", [("row", 1, 0), ("multirow", 2, 0), ("row", 1, 2)])
-def test_weights_asked_of_l2_by_the_first_block_and_the_output_is_unchanged(op_name, template, rows, grid_cap):
+@pytest.mark.parametrize("template,rows,extra", [("row", 1, {}), ("multirow", 2, {}), ("row", 1, {"grid_cap": 2}),
+                                                 ("wide", 1, {}), ("wide", 1, {"hint": "keep_unreleased"})])
+@pytest.mark.parametrize("residual", [False, True])
+def test_weights_asked_of_l2_by_the_first_block_and_the_output_is_unchanged(op_name, template, rows, extra, residual):
     op = get_op(op_name)
-    shape = op.shape(d=256, dtype="bf16")
-    variant = build(op, shape, ahead(op, template, rows, kb=0, weights="l2", grid_cap=grid_cap), ARCH)
+    shape = op.shape(d=256, dtype="bf16", residual=residual)
+    variant = build(op, shape, ahead(op, template, rows, kb=0, weights="l2", **extra), ARCH)
     assert variant.census.l2_prefetch == {"w": 1, **({"b": 1} if op_name == "layernorm" else {})}
     assert variant.source.kernel_name.endswith("_wl2")
     assert op.min_arch_of(shape, variant.params) == 90
@@ -195,3 +197,9 @@ def test_weights_that_are_not_whole_16_byte_units_are_not_asked_for():
     op = get_op("layernorm")
     with pytest.raises(ConfigError, match="weights: a bulk prefetch"):
         op.validate(op.shape(d=772, dtype="bf16"), ahead(op, kb=0, vector=4, weights="l2"))
+
+
+def test_template_wide_reads_no_weights_early():
+    op = get_op("rmsnorm")
+    with pytest.raises(ConfigError, match="^wide-options: .*weights late or l2"):
+        op.validate(op.shape(d=4096, dtype="bf16"), ahead(op, "wide", kb=0, weights="early"))

@@ -236,10 +236,9 @@ class LayerNorm:
             raise ConfigError(f"weights: weights must be one of {WEIGHTS}, got {p.weights!r}")
         if p.hold not in HOLDS:
             raise ConfigError(f"hold: hold must be one of {HOLDS}, got {p.hold!r}")
-        if p.template == "wide" and (p.grid_cap or p.stats == "one_pass" or p.weights != "late" or p.hold != "float"):
+        if p.template == "wide" and (p.grid_cap or p.stats == "one_pass" or p.weights == "early" or p.hold != "float"):
             raise ConfigError("wide-options: template wide takes no grid_cap, stats two_pass (Chan's merge) or "
-                              "shifted, and leaves weights and hold at their defaults (late, float): one block per "
-                              "row, which holds no row")
+                              "shifted, weights late or l2 and hold float: one block per row, which holds no row")
         if p.template == "wide" and p.stats == "shifted" and d % self._elements(shape, p):
             raise ConfigError("wide-options: template wide takes stats shifted over rows of whole vectors; use a vector "
                               f"that divides d = {d}, or stats two_pass")
