@@ -853,5 +853,10 @@ def test_the_rmsnorm_space_for_long_rows_starts_from_inductor_s_kernel_too():
     inductor = op.params_from_dict({"template": "wide", "threads": 512, "vector": 16, "hint": "keep_unreleased",
                                     "min_blocks": 4})
     assert inductor in valid and inductor in first
-    # Triton's tables come first, in the order written, and no config is measured twice
-    assert first[0].template == "row" and first[-1].template == "wide" and len(set(first)) == len(first)
+    # Triton's tables come first, in the order written, then Inductor's, and no config is measured twice
+    assert first[0].template == "row" and len(set(first)) == len(first)
+    asking = [i for i, p in enumerate(first) if p.weights == "l2"]
+    assert asking and first.index(inductor) < min(asking)
+    # then Inductor's kernel with w asked of L2 as the launch starts
+    inductor_asking = dataclasses.replace(inductor, weights="l2")
+    assert inductor_asking in valid and inductor_asking in first
