@@ -474,9 +474,10 @@ def _print_result(op: Op, result: Any, objective: str, note: str = "") -> None:
         kept = ("" if objective == "both" else
                 f"the fastest {'cold' if objective == 'hot' else 'hot'} (or tied with it), then ")
         within = "hot and cold" if objective == "both" else objective
+        rule = kept + ("the stored winner" if result.kept_stored else
+                       "the one with fewer registers, then fewer threads")
         out.print(f"tie: {result.winner.name} and {', '.join(result.tied_with)} are within each other's spread "
-                  f"{within}; "
-                  f"kept {kept}the one with fewer registers, then fewer threads")
+                  f"{within}; kept {rule}")
     for name, why in result.dropped.items():
         out.print(f"  not compared: {name}: {why}", markup=False)
 

@@ -5,7 +5,8 @@ compiler and do not use up the trial budget; a config already measured (in this 
 of the same study) is answered from the study, not measured again; a failed compile or gate is a failed
 trial with its reason. Finalists are re-timed interleaved with the peers, and a winner that does not
 beat the runner-up by more than their spread is a tie, broken by the other method (hot for a cold objective,
-cold for a hot one; under `both`, a tie is one on each method), then by fewer registers, then fewer threads.
+cold for a hot one; under `both`, a tie is one on each method), then for the stored winner, then by fewer
+registers, then fewer threads.
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ class TuneResult:
     tied_with: list[str]
     peers: dict[str, dict[str, Any]]  # name -> {'hot': Timing, 'cold': Timing, 'config': {...}}
     dropped: dict[str, str] = field(default_factory=dict)
+    kept_stored: bool = False  # a tie, and the size class's stored winner among the tied, so kept
     # where this process's trials spent their time, seconds per trial (measure.Evaluation.seconds); empty when
     # its backend does not say (a replay)
     trial_seconds: dict[str, float] = field(default_factory=dict)
@@ -523,13 +525,18 @@ def _finish(op, shape, study, done, valid, rejected, backend, objective, measure
         other = "cold" if objective == "hot" else "hot"
         best_other = min(tied, key=lambda f: f.timing(other).median_us).timing(other)
         tied_on_both = [f for f in tied if f.timing(other).ties_with(best_other)]
-    # Within a tie on both, the frugal one.
-    winner = min(tied_on_both, key=lambda f: (f.registers, f.threads, f.timing(objective).median_us))
+    # Within a tie on both, the stored winner where it is among them (a retune replaces it only by beating it:
+    # otherwise each retune's draw of the spread could swap a size class's kernel for a tie), else the frugal one.
+    stored = [f for f in tied_on_both
+              if incumbent is not None and params_key(op, f.params) == params_key(op, incumbent)]
+    winner = stored[0] if stored else min(tied_on_both,
+                                          key=lambda f: (f.registers, f.threads, f.timing(objective).median_us))
     peers = {name: {**timings[name], "config": peer_configs.get(name, {})} for name in peer_configs}
     result = TuneResult(
         study=study.study_name, sampler=sampler, valid=len(valid), rejected=len(rejected), measured=measured,
         reused=reused, failed=failed, winner=winner, runner_ups=[f for f in ranked if f is not winner],
-        tie=len(tied) > 1, tied_with=[f.name for f in tied if f is not winner], peers=peers, dropped=dropped,
+        tie=len(tied) > 1, tied_with=[f.name for f in tied if f is not winner],
+        kept_stored=bool(stored) and len(tied) > 1, peers=peers, dropped=dropped,
         trial_seconds=_seconds_per_trial(study))
     # the report reads the final round from the study, whichever tuned/ entry it led to
     study.set_user_attr("final_round", {"winner": winner.name, "winner_params": op.params_to_dict(winner.params),

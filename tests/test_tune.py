@@ -379,6 +379,22 @@ def test_a_stored_winner_outside_the_preset_stays_the_winner_where_the_final_rou
         assert result.winner.params in ([outside] if wins else valid)
 
 
+def test_a_stored_winner_tied_with_others_in_the_final_round_stays_the_winner(recording, small, tmp_path):
+    # A retune replaces the stored winner only by beating it: within a tie, the frugal rule would otherwise swap
+    # a size class's kernel for another on the draw of the spread.
+    valid, _ = expand(OP, SHAPE, small)
+    held = by_kernel(recording)
+    fastest, second = sorted((p for p in valid if hot_median(recording, OP.kernel_name(SHAPE, p)) is not None),
+                             key=lambda p: hot_median(recording, OP.kernel_name(SHAPE, p)))[:2]
+    for method in ("hot", "cold"):
+        held[OP.kernel_name(SHAPE, second)][method] = dict(held[OP.kernel_name(SHAPE, fastest)][method])
+    path = write_derived(tmp_path, recording)
+    frugal = run_tune(Recorder(path), small, tmp_path, study_name="no-stored").winner.params
+    stored = second if frugal == fastest else fastest
+    result = run_tune(Recorder(path), small, tmp_path, study_name="stored", incumbent=stored)
+    assert result.tie and result.kept_stored and result.winner.params == stored != frugal
+
+
 def test_a_space_s_first_configs_are_measured_after_the_stored_winner_where_the_space_holds_them(
         recording_path, recording, recorded, tmp_path):
     stored, *peer_shaped = unreached_by_a_plain_search(recording_path, recording, recorded, tmp_path)[:3]
