@@ -6,8 +6,8 @@ bench/results/<gpu>/norms_inductor_code_probe.json and the sources beside it (.t
     python bench/norms_inductor_code_probe.py                           # the three shapes below
     python bench/norms_inductor_code_probe.py rmsnorm+res:4096x4096 --as NAME   # those shapes, to NAME.json/.txt
 
-The residual form is compiled as the bench's Inductor peer runs it (mage_gen.peers): h = x + r, the norm of h,
-both copied into outputs given.
+Each is compiled from the bench's Inductor peer's own code (mage_gen.peers.eager_norm_into): the norm of x, or
+h = x + r and the norm of h, copied into outputs given.
 """
 
 from __future__ import annotations
@@ -17,31 +17,16 @@ import json
 import re
 
 import torch
-import torch.nn.functional as F
 from torch._inductor.utils import run_and_get_code
 
 from mage_gen import gpu
+from mage_gen.peers import eager_norm, eager_norm_into
 
 from _common import norm_case, provenance, write_result  # bench/_common.py, beside this script
 from norms_keep_probe import inductor_configs
 
 SHAPES = [("rmsnorm", 4096, 8192), ("rmsnorm", 16384, 8192), ("layernorm", 16384, 8192)]
 EPS = 1e-5
-
-
-def eager(kind: str, residual: bool):
-    def norm(h, *weights):
-        if kind == "rmsnorm":
-            return F.rms_norm(h, (h.shape[-1],), weights[0], EPS)
-        return F.layer_norm(h, (h.shape[-1],), weights[0], weights[1], EPS)
-
-    def plain(x, y, *weights):
-        return y.copy_(norm(x, *weights))
-
-    def with_residual(x, r, y, r_out, *weights):
-        h = x + r
-        return y.copy_(norm(h, *weights)), r_out.copy_(h)
-    return with_residual if residual else plain
 
 
 def main() -> None:
@@ -54,9 +39,11 @@ def main() -> None:
     for kind, residual, m, d in args.shapes or [(kind, False, m, d) for kind, m, d in SHAPES]:
         torch._dynamo.reset()
         x, y = (torch.randn(m, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        rows_in = [x, torch.randn_like(x), y, torch.empty_like(x)] if residual else [x, y]
+        # (x, residual, y, residual_out) as the Inductor peer is called
+        rows_in = [x, torch.randn_like(x), y, torch.empty_like(x)] if residual else [x, None, y, None]
         weights = [torch.randn(d, device="cuda", dtype=torch.bfloat16) for _ in range(1 if kind == "rmsnorm" else 2)]
-        compiled = torch.compile(eager(kind, residual), dynamic=False, fullgraph=True)
+        eager = eager_norm("F.rms_norm" if kind == "rmsnorm" else "F.layer_norm", d, EPS)
+        compiled = torch.compile(eager_norm_into(eager), dynamic=False, fullgraph=True)
         _, sources = run_and_get_code(compiled, *rows_in, *weights)
         compiled(*rows_in, *weights)  # once more, autotuned: inductor_configs reads the launcher it kept
         torch.cuda.synchronize()

@@ -186,6 +186,31 @@ def on_gpu(pointer: int, shape: tuple[int, ...], dtype: DType) -> Any:
     return torch.as_tensor(_DeviceArray(pointer, shape, typestr), device="cuda")
 
 
+def eager_norm(torch_fn: str, d: int, eps: float) -> Callable[..., Any]:
+    """torch's norm as a model calls it: (x, residual, *weights) -> y, or, with a residual, (y, x + residual)."""
+    norm = getattr(torch.nn.functional, torch_fn.removeprefix("F."))
+
+    def eager(x, residual, *weights):
+        if residual is None:
+            return norm(x, (d,), *weights, eps)
+        h = x + residual
+        return norm(h, (d,), *weights, eps), h
+    return eager
+
+
+def eager_norm_into(eager: Callable[..., Any]) -> Callable[..., Any]:
+    """(x, residual, y_out, r_out, *weights): eager's results copied where the kernel writes its own, the form
+    Inductor compiles: it stores them there from its one fused kernel. Left to allocate y, it wrote elsewhere, and
+    where y lies moved its time by 0.3-1.8% against the same kernel writing the kernel's y (bench/NOTES.md,
+    norms §19)."""
+    def eager_into(x, residual, y_out, r_out, *weights):
+        got = eager(x, residual, *weights)
+        if residual is None:
+            return y_out.copy_(got)
+        return y_out.copy_(got[0]), r_out.copy_(got[1])
+    return eager_into
+
+
 def _row_norm_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float, torch_fn: str,
                          triton_kernel: Any, inductor: bool, tensor_of: Callable[[str, DType], Any],
                          output_of: _Outputs) -> dict[str, list[TorchSubject] | str]:
@@ -198,14 +223,7 @@ def _row_norm_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float, 
     x, residual = tensors["x"], tensors.get("residual")
     m, d = x.shape
     weights = [tensors[k] for k in ("w", "b") if k in tensors]
-    norm = getattr(torch.nn.functional, torch_fn.removeprefix("F."))
-
-    def eager(x, residual, *weights):
-        if residual is None:
-            return norm(x, (d,), *weights, eps)
-        h = x + residual
-        return norm(h, (d,), *weights, eps), h
-
+    eager = eager_norm(torch_fn, d, eps)
     candidates = {"torch": [TorchSubject("torch", lambda: eager(x, residual, *weights),
                                          {"fn": torch_fn + (" of x + residual" if residual is not None else ""),
                                           "weights": str(weights[0].dtype)})]}
@@ -215,17 +233,7 @@ def _row_norm_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float, 
         torch._dynamo.reset()
         y_out = output_of("y", x.shape, x.dtype)
         r_out = output_of("residual_out", x.shape, x.dtype) if residual is not None else None
-
-        def eager_into(x, residual, y_out, r_out, *weights):
-            # the eager code with its results copied where the kernel writes its own: Inductor stores them there
-            # from its one fused kernel. Left to allocate y, it wrote elsewhere, and where y lies moved its time
-            # by 0.3-1.8% against the same kernel writing the kernel's y (bench/NOTES.md, norms §19)
-            got = eager(x, residual, *weights)
-            if residual is None:
-                return y_out.copy_(got)
-            return y_out.copy_(got[0]), r_out.copy_(got[1])
-
-        compiled = torch.compile(eager_into, dynamic=False, fullgraph=True)
+        compiled = torch.compile(eager_norm_into(eager), dynamic=False, fullgraph=True)
         candidates["inductor"] = [TorchSubject("inductor", lambda: compiled(x, residual, y_out, r_out, *weights),
                                                {"fn": f"torch.compile of the eager {torch_fn}",
                                                 "outputs": output_of.where("y", x.shape, x.dtype)})]
