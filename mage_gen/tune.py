@@ -527,8 +527,8 @@ def _finish(op, shape, study, done, valid, rejected, backend, objective, measure
         tied_on_both = [f for f in tied if f.timing(other).ties_with(best_other)]
     # Within a tie on both, the stored winner where it is among them (a retune replaces it only by beating it:
     # otherwise each retune's draw of the spread could swap a size class's kernel for a tie), else the frugal one.
-    stored = [f for f in tied_on_both
-              if incumbent is not None and params_key(op, f.params) == params_key(op, incumbent)]
+    stored_key = params_key(op, incumbent) if incumbent is not None else None
+    stored = [f for f in tied_on_both if params_key(op, f.params) == stored_key]
     winner = stored[0] if stored else min(tied_on_both,
                                           key=lambda f: (f.registers, f.threads, f.timing(objective).median_us))
     peers = {name: {**timings[name], "config": peer_configs.get(name, {})} for name in peer_configs}
