@@ -33,7 +33,10 @@ OPS = ("layernorm", "rmsnorm")
 DTYPE = "bf16"
 PEERS = ("torch", "inductor", "triton")
 PLACEMENTS = 4  # of the inputs and outputs (mage_gen.measure.Placement)
-ROUNDS, PER_ROUND = 4, 5  # round r at placement r % PLACEMENTS
+# round r at placement r % PLACEMENTS: 80 samples a subject and method, 20 at each placement. At 20 (4 rounds) the
+# cold ratio of a DRAM-bound row where kernel and peer both stream at the copy's rate moved ±0.5% from run to run,
+# landing either side of 1.000 (bench/NOTES.md, norms §23-§24)
+ROUNDS, PER_ROUND = 16, 5
 DRAM_L2S = 2  # a shape is DRAM-bound where it moves at least this many L2s of bytes
 
 
@@ -47,11 +50,17 @@ def tune_flags(shape, m: int) -> list[str]:
     return flags + (["--config", "residual=true"] if shape.residual else [])
 
 
-def bench_shape(op, shape, m: int, params, device) -> dict:
+def bench_shape(op, shape, m: int, params, device, contenders: dict | None = None, rounds: int = ROUNDS) -> dict:
+    """One row: the kernel of `params` (named mage-gen) against the peers and the copy, at every placement.
+    contenders (name -> params): other kernels timed beside it in the same rounds, each gated at every placement
+    (one that fails anywhere is named in the result and timed nowhere); the ratios are the named kernel's."""
     run = {"m": m}
     variant = build(op, shape, params, device.arch)
     bench = Bench(op, shape, run, seed=m + shape.d)
     kernel = bench.load(variant)
+    others = {name: build(op, shape, p, device.arch) for name, p in (contenders or {}).items()}
+    other_kernels = {name: bench.load(v) for name, v in others.items()}
+    failed: dict[str, str] = {}
     moved = op.bytes_moved(shape, run)
     head = {"op": op.name, "m": m, "d": shape.d, "residual": shape.residual, "dtype": shape.dtype,
             "kernel": variant.source.kernel_name, "params": op.params_to_dict(params), "bytes_moved": moved,
@@ -75,6 +84,20 @@ def bench_shape(op, shape, m: int, params, device) -> dict:
                                              "reason": f"placement {p}: {reason}"}}
                 opened.append(subject)
                 checks[f"placement {p}"] = err
+            placed = []
+            for name, v in others.items():
+                if name in failed:
+                    continue
+                if p:
+                    other, _, reason = bench.checked_at(v, other_kernels[name], name, placement=p)
+                else:
+                    other, gate = bench.checked_subject(v, other_kernels[name], name=name, placement=0)
+                    reason = gate.reason
+                if other is None:
+                    failed[name] = f"placement {p}: {reason}"
+                    continue
+                opened.append(other)
+                placed.append(other)
             peers, lacking = make_peers(op, shape, run, subject.bound.inputs, None, check=bench.check_tensor,
                                         inductor=True, device_inputs=place.input_pointers(),
                                         device_outputs=place.output_pointers())
@@ -89,13 +112,14 @@ def bench_shape(op, shape, m: int, params, device) -> dict:
                 copy_configs.setdefault(method, []).append({"copy": copy.name.removeprefix(FLOOR + "/"),
                                                             **copy.config})
             opened.extend({id(c): c for c in picked.values()}.values())
-            hot_groups.append([subject, *peers, _as_floor(picked["hot"])])
-            cold_groups.append([subject, *peers, _as_floor(picked["cold"])])
+            hot_groups.append([subject, *placed, *peers, _as_floor(picked["hot"])])
+            cold_groups.append([subject, *placed, *peers, _as_floor(picked["cold"])])
         hot_groups, left_out = common_to_every_placement(hot_groups)
         cold_groups, _ = common_to_every_placement(cold_groups)
-        missing.update({name: "missing at some placement" for name in left_out if name not in missing})
-        hot, hot_at = interleave_placed(hot_groups, "hot", ROUNDS, PER_ROUND)
-        cold, cold_at = interleave_placed(cold_groups, "cold", ROUNDS, PER_ROUND)
+        missing.update({name: "missing at some placement" for name in left_out
+                        if name not in missing and name not in failed})
+        hot, hot_at = interleave_placed(hot_groups, "hot", rounds, PER_ROUND)
+        cold, cold_at = interleave_placed(cold_groups, "cold", rounds, PER_ROUND)
         changed = bench.inputs_changed()
         if changed:
             raise SystemExit(f"{op.name} {m}x{shape.d}: a kernel or peer wrote into its inputs {changed}; "
@@ -104,6 +128,8 @@ def bench_shape(op, shape, m: int, params, device) -> dict:
         for s in opened:
             s.close()
         kernel.unload()
+        for k in other_kernels.values():
+            k.unload()
         bench.free_placements()
     result = {
         **head, "census": {k: variant.census.to_dict()[k] for k in ("registers", "spill_bytes", "bar_sync",
@@ -115,6 +141,10 @@ def bench_shape(op, shape, m: int, params, device) -> dict:
         "peer_configs": {name: {**c[0], "at the other placements": c[1:]} for name, c in peer_configs.items()},
         "peers_missing": missing, "copy_configs": copy_configs,
     }
+    if contenders:
+        result["contenders"] = {name: {"kernel": v.source.kernel_name, "params": op.params_to_dict(v.params),
+                                       **({"failed": failed[name]} if name in failed else {})}
+                                for name, v in others.items()}
     for method, table in (("hot", hot), ("cold", cold)):
         mine = table["mage-gen"]
         present = [name for name in PEERS if name in table]
