@@ -104,7 +104,7 @@ def measured(study: optuna.Study) -> list[Measured]:
             continue
         attrs = t.user_attrs
         configs.append(Measured(
-            trial=t.number, kernel=attrs.get("kernel", "?"), params=dict(t.params),
+            trial=t.number, kernel=attrs.get("kernel", "?"), params=json.loads(attrs["params_key"]),
             value=t.value if t.state == optuna.trial.TrialState.COMPLETE else None,
             reason=attrs.get("reason", "" if t.state == optuna.trial.TrialState.COMPLETE else t.state.name.lower()),
             hot=Timing.from_dict(attrs["hot"]) if "hot" in attrs else None,

@@ -342,7 +342,12 @@ def measure(op: Op, shape: Any, space: Space, backend: Backend, study: optuna.St
     valid, _ = expand(op, shape, space, backend.arch)
     valid_keys = _keys(op, valid)
     exhaustive = len(valid) <= EXHAUSTIVE_LIMIT
-    distributions = {axis: optuna.distributions.CategoricalDistribution(values) for axis, values in space.axes}
+    # An axis of one value is no choice: asked of the study, it would cost each proposal a storage write and the
+    # sampler a model, however many are rejected (half a tune's host time went to proposals). Trials carry it
+    # in their params key, not their Optuna params.
+    distributions = {axis: optuna.distributions.CategoricalDistribution(values) for axis, values in space.axes
+                     if len(values) > 1}
+    settled = {axis: values[0] for axis, values in space.axes if len(values) == 1}
     fill = random.Random(seed)
     measured = stalls = asks = 0
     if not _shared(study):
@@ -374,7 +379,7 @@ def measure(op: Op, shape: Any, space: Space, backend: Backend, study: optuna.St
                 study.enqueue_trial(json.loads(remaining[0] if exhaustive else fill.choice(remaining)))
             stalls = 0
         trial = study.ask(distributions)
-        params = op.params_from_dict(dict(trial.params))
+        params = op.params_from_dict({**settled, **trial.params})
         key = params_key(op, params)
         if key not in valid_keys:
             try:

@@ -238,12 +238,30 @@ def test_infeasible_configs_never_reach_the_backend(tpe_run, recorded):
     study = optuna.load_study(study_name="tpe", storage=sqlite(folder))
     pruned = study.get_trials(states=(optuna.trial.TrialState.PRUNED,))
     assert pruned, "TPE proposed no infeasible config: this test checks nothing"
+    settled = {axis: values[0] for axis, values in recorded.axes if len(values) == 1}
     for t in pruned:
-        params = OP.params_from_dict(t.params)
+        params = OP.params_from_dict({**settled, **t.params})
         with pytest.raises(ConfigError) as rule:
             OP.validate(SHAPE, params)
         assert t.user_attrs["rejected"] == str(rule.value)
         assert OP.kernel_name(SHAPE, params) not in backend.evaluated
+
+
+def test_an_axis_of_one_value_is_not_asked_of_the_study(tpe_run, recorded):
+    # each asked axis is a storage write and a sampler model per proposal, rejected or repeated ones too: asked,
+    # the settled axes were half the writes of a quick-preset study
+    _, result, folder = tpe_run
+    settled = {axis: values[0] for axis, values in recorded.axes if len(values) == 1}
+    chosen = {axis for axis, values in recorded.axes if len(values) > 1}
+    assert settled and chosen, "the recorded space has no settled axis: this test checks nothing"
+    study = optuna.load_study(study_name="tpe", storage=sqlite(folder))
+    trials = study.get_trials(deepcopy=False)
+    assert trials and all(set(t.params) == chosen for t in trials)
+    measured = [t for t in trials if "params_key" in t.user_attrs]
+    assert len(measured) == result.measured
+    for t in measured:  # the key, what dedupe and the store read, holds every axis at its settled value
+        assert json.loads(t.user_attrs["params_key"]).items() >= settled.items()
+        assert {k: v for k, v in json.loads(t.user_attrs["params_key"]).items() if k in t.params} == t.params
 
 
 # ---- dedupe and resume ----
