@@ -52,13 +52,15 @@ def tune_flags(shape, m: int) -> list[str]:
 
 def bench_shape(op, shape, m: int, params, device, contenders: dict | None = None, rounds: int = ROUNDS) -> dict:
     """One row: the kernel of `params` (named mage-gen) against the peers and the copy, at every placement.
-    contenders (name -> params): other kernels timed beside it in the same rounds, each gated at every placement
-    (one that fails anywhere is named in the result and timed nowhere); the ratios are the named kernel's."""
+    contenders (name -> params, or a variant built already, as a probe builds one its op does not render): other
+    kernels timed beside it in the same rounds, each gated at every placement (one that fails anywhere is named in
+    the result and timed nowhere); the ratios are the named kernel's."""
     run = {"m": m}
     variant = build(op, shape, params, device.arch)
     bench = Bench(op, shape, run, seed=m + shape.d)
     kernel = bench.load(variant)
-    others = {name: build(op, shape, p, device.arch) for name, p in (contenders or {}).items()}
+    others = {name: p if hasattr(p, "compiled") else build(op, shape, p, device.arch)
+              for name, p in (contenders or {}).items()}
     other_kernels = {name: bench.load(v) for name, v in others.items()}
     failed: dict[str, str] = {}
     moved = op.bytes_moved(shape, run)
