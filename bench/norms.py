@@ -22,7 +22,7 @@ from mage_gen.measure import Bench, common_to_every_placement, interleave_placed
 from mage_gen.ops import get_op
 from mage_gen.dtypes import dtype
 from mage_gen.peers import make_peers, on_gpu
-from mage_gen.variants import build
+from mage_gen.variants import Variant, build
 
 from _copy import CANDIDATES as COPY_CANDIDATES
 from _copy import FLOOR, PICK, picked_copies  # bench/_copy.py
@@ -59,7 +59,7 @@ def bench_shape(op, shape, m: int, params, device, contenders: dict | None = Non
     variant = build(op, shape, params, device.arch)
     bench = Bench(op, shape, run, seed=m + shape.d)
     kernel = bench.load(variant)
-    others = {name: p if hasattr(p, "compiled") else build(op, shape, p, device.arch)
+    others = {name: p if isinstance(p, Variant) else build(op, shape, p, device.arch)
               for name, p in (contenders or {}).items()}
     other_kernels = {name: bench.load(v) for name, v in others.items()}
     failed: dict[str, str] = {}
