@@ -28,31 +28,32 @@ WIDE = {"template": "wide", "vector": 16, "hint": "keep_unreleased", "min_blocks
         "l2_ahead": 0, "grid_cap": 0, "rows_per_block": 1}
 ROW = {"template": "row", "threads": 512, "vector": 16, "hint": "nc", "weights": "l2", "min_blocks": 1,
        "hold": "float", "grid_cap": 0, "rows_per_block": 1}
+def _wide(threads: int, vector: int = 16, blocks: int = 4, weights: str = "l2", ahead_kb: int = 0) -> dict:
+    return {**WIDE, "threads": threads, "vector": vector, "min_blocks": blocks, "weights": weights,
+            "l2_ahead": ahead_kb}
+
+
 # (op, residual, rows, d, contenders as full changes to the stored winner's params)
 FIRST = (
     ("rmsnorm", False, 16384, 8192, {
-        "wide t512 wl2": {**WIDE, "threads": 512, "weights": "l2"},
-        "wide t256 late": {**WIDE, "threads": 256, "weights": "late"},
-        "wide t256 wl2 ahead1024k": {**WIDE, "threads": 256, "weights": "l2", "l2_ahead": 1024},
+        "wide t512 wl2": _wide(512),
+        "wide t256 late": _wide(256, weights="late"),
+        "wide t256 wl2 ahead1024k": _wide(256, ahead_kb=1024),
         "row t512 wl2 ahead2048k": {**ROW, "l2_ahead": 2048},
     }),
     ("rmsnorm", True, 32768, 4096, {
-        "wide t512 wl2": {**WIDE, "threads": 512, "weights": "l2"},
-        "wide t256 wl2": {**WIDE, "threads": 256, "weights": "l2"},
+        "wide t512 wl2": _wide(512),
+        "wide t256 wl2": _wide(256),
         "row t512 wl2 ahead1024k": {**ROW, "l2_ahead": 1024},
         "row t512 wl2 ahead2048k": {**ROW, "l2_ahead": 2048},
     }),
     ("rmsnorm", True, 16384, 8192, {
-        "wide t512 wl2": {**WIDE, "threads": 512, "weights": "l2"},
-        "wide t256 wl2": {**WIDE, "threads": 256, "weights": "l2"},
+        "wide t512 wl2": _wide(512),
+        "wide t256 wl2": _wide(256),
         "row t512 wl2 ahead1024k": {**ROW, "l2_ahead": 1024},
         "row t512 wl2 ahead3072k": {**ROW, "l2_ahead": 3072},
     }),
 )
-
-
-def _wide(threads: int, vector: int, blocks: int) -> dict:
-    return {**WIDE, "threads": threads, "vector": vector, "min_blocks": blocks, "weights": "l2"}
 
 
 # Shapes of `wide` outside the long preset (16-byte accesses, at most 512 threads): 8-byte accesses (Inductor's
@@ -60,22 +61,22 @@ def _wide(threads: int, vector: int, blocks: int) -> dict:
 # threads the residual form's row of 8192 spills; and `row`'s 512 threads held packed or 1024 threads
 OUTSIDE = (
     ("rmsnorm", False, 16384, 8192, {
-        "wide t512 v8 b4": _wide(512, 8, 4),
-        "wide t1024 v16 b2": _wide(1024, 16, 2),
+        "wide t512 v8 b4": _wide(512, 8),
+        "wide t1024 v16 b2": _wide(1024, blocks=2),
     }),
     ("rmsnorm", True, 32768, 4096, {
-        "wide t512 wl2": _wide(512, 16, 4),
-        "wide t512 v8 b4": _wide(512, 8, 4),
-        "wide t512 b3": _wide(512, 16, 3),
+        "wide t512 wl2": _wide(512),
+        "wide t512 v8 b4": _wide(512, 8),
+        "wide t512 b3": _wide(512, blocks=3),
         "wide t1024 v8 b2": _wide(1024, 8, 2),
-        "wide t384 b4": _wide(384, 16, 4),
+        "wide t384 b4": _wide(384),
     }),
     ("rmsnorm", True, 16384, 8192, {
-        "wide t1024 v16 b2": _wide(1024, 16, 2),
+        "wide t1024 v16 b2": _wide(1024, blocks=2),
         "wide t1024 v8 b2": _wide(1024, 8, 2),
-        "wide t512 b3": _wide(512, 16, 3),
+        "wide t512 b3": _wide(512, blocks=3),
         "wide t512 v8 b3": _wide(512, 8, 3),
-        "wide t384 v8 b4": _wide(384, 8, 4),
+        "wide t384 v8 b4": _wide(384, 8),
         "row t512 packed b3": {**ROW, "hold": "packed", "min_blocks": 3, "l2_ahead": 2048},
         "row t1024 b2": {**ROW, "threads": 1024, "min_blocks": 2, "l2_ahead": 2048},
     }),
