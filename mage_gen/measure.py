@@ -434,19 +434,29 @@ def interleave_placed(placed: Sequence[Sequence[Subject]], method: str, rounds: 
                       ) -> tuple[dict[str, Timing], list[dict[str, Timing]]]:
     """interleave, round r taken at placement r % len(placed) (placed[p]: the subjects timed there, the same
     names at every placement): each name's samples pooled over the placements, and each placement's own."""
-    names = [s.name for s in placed[0]]
-    if any(sorted(s.name for s in group) != sorted(names) for group in placed):
+    return pool_rounds(interleave_rounds(placed, method, rounds, per_round), method, len(placed))
+
+
+def interleave_rounds(placed: Sequence[Sequence[Subject]], method: str, rounds: int, per_round: int
+                      ) -> list[dict[str, list[float]]]:
+    """The samples of interleave_placed round by round (round r at placement r % len(placed)), each subject's by
+    name: what a paired comparison of two subjects reads (timing.round_ratio)."""
+    names = sorted(s.name for s in placed[0])
+    if any(sorted(s.name for s in group) != names for group in placed):
         raise ValueError("interleave_placed: every placement must hold the same subjects")
-    samples: list[dict[str, list[float]]] = [{name: [] for name in names} for _ in placed]
-    for r in range(rounds):
-        at = r % len(placed)
-        for subject in placed[at]:
-            take = subject.hot if method == "hot" else subject.cold
-            samples[at][subject.name].extend(take(per_round))
-    pooled = {name: Timing.from_samples(method, [v for by in samples for v in by[name]]) for name in names}
+    return [{subject.name: (subject.hot if method == "hot" else subject.cold)(per_round)
+             for subject in placed[r % len(placed)]} for r in range(rounds)]
+
+
+def pool_rounds(taken: Sequence[dict[str, list[float]]], method: str, placements: int
+                ) -> tuple[dict[str, Timing], list[dict[str, Timing]]]:
+    """interleave_rounds' samples as interleave_placed reports them: pooled by name, and by placement."""
+    names = list(taken[0]) if taken else []
+    pooled = {name: Timing.from_samples(method, [v for by in taken for v in by[name]]) for name in names}
     # a placement no round reached (fewer rounds than placements) has no timing
-    return pooled, [{name: Timing.from_samples(method, values) for name, values in by.items()}
-                    for by in samples[:min(rounds, len(placed))]]
+    by_placement = [{name: Timing.from_samples(method, [v for by in taken[p::placements] for v in by[name]])
+                     for name in names} for p in range(min(len(taken), placements))]
+    return pooled, by_placement
 
 
 def common_to_every_placement(placed: Sequence[Sequence[Any]]) -> tuple[list[list[Any]], list[str]]:

@@ -1,9 +1,11 @@
-"""A timing result: how it was taken, how many samples, the median and the spread; and the figure a tuner ranks
-by (hot, cold, or both at once)."""
+"""A timing result: how it was taken, how many samples, the median and the spread; two subjects compared round by
+round; and the figure a tuner ranks by (hot, cold, or both at once)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from math import comb
 
 import numpy as np
 
@@ -33,6 +35,57 @@ class Timing:
     @classmethod
     def from_dict(cls, values: dict) -> Timing:
         return cls(**values)
+
+
+# the least coverage a RoundRatio's interval is widened to, where the rounds allow it
+ROUND_RATIO_COVERAGE = 0.95
+
+
+@dataclass(frozen=True)
+class RoundRatio:
+    """One subject's time over another's, taken round by round: the rounds interleave the two, so a round's ratio
+    (of the two medians in it) is free of the drift and placement the round shares. The median of the rounds'
+    ratios and a distribution-free interval for it: the k-th smallest to the k-th largest ratio, k as large as
+    keeps the interval's coverage of the median at least ROUND_RATIO_COVERAGE (binomial, the rounds taken as
+    independent draws). An interval that holds 1 means these rounds cannot tell the two apart."""
+
+    rounds: int
+    median: float
+    low: float
+    high: float
+    coverage: float
+
+    @property
+    def verdict(self) -> str:
+        return "slower" if self.low > 1.0 else "faster" if self.high < 1.0 else "tie"
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "verdict": self.verdict}
+
+
+def median_interval(values: Sequence[float]) -> tuple[float, float, float]:
+    """(low, high, coverage): order statistics bracketing the median of the values' distribution."""
+    ordered = sorted(values)
+    n = len(ordered)
+    if n == 0:
+        raise ValueError("median_interval: no values")
+
+    def coverage(k: int) -> float:  # of [k-th smallest, k-th largest]: 1 - 2 P(Binomial(n, 1/2) < k)
+        return 1.0 - 2.0 * sum(comb(n, i) for i in range(k)) / 2.0 ** n
+
+    k = 1
+    while k + 1 <= (n + 1) // 2 and coverage(k + 1) >= ROUND_RATIO_COVERAGE:
+        k += 1
+    return ordered[k - 1], ordered[n - k], coverage(k)
+
+
+def round_ratio(mine: Sequence[Sequence[float]], theirs: Sequence[Sequence[float]]) -> RoundRatio:
+    """mine[r] and theirs[r]: the two subjects' samples of round r."""
+    if len(mine) != len(theirs) or not mine:
+        raise ValueError(f"round_ratio: rounds of both subjects, the same count ({len(mine)} and {len(theirs)})")
+    ratios = [float(np.median(a) / np.median(b)) for a, b in zip(mine, theirs)]
+    low, high, coverage = median_interval(ratios)
+    return RoundRatio(rounds=len(ratios), median=float(np.median(ratios)), low=low, high=high, coverage=coverage)
 
 
 OBJECTIVES = ("hot", "cold", "both")

@@ -3,7 +3,8 @@ next placement, every subject at each, the samples pooled and kept per placement
 
 import pytest
 
-from mage_gen.measure import common_to_every_placement, interleave, interleave_placed
+from mage_gen.measure import common_to_every_placement, interleave, interleave_placed, interleave_rounds, pool_rounds
+from mage_gen.timing import median_interval, round_ratio
 
 
 class Fixed:
@@ -73,6 +74,50 @@ def test_a_subject_missing_at_one_placement_is_timed_at_none_and_named():
     assert not any(s.closed for g in groups for s in g)  # closing is the caller's, with the rest
     interleave_placed(kept, "hot", 2, 1)
     assert {name for name, _, _ in calls} == {"kernel", "other"}
+
+
+def test_rounds_keep_each_rounds_samples_and_pool_as_interleave_placed_does():
+    calls = []
+    groups = placed({"kernel": [10.0, 20.0, 30.0], "peer": [12.0, 12.0, 12.0]}, calls)
+    taken = interleave_rounds(groups, "cold", rounds=4, per_round=2)
+    assert [by["kernel"] for by in taken] == [[11.0, 11.0], [21.0, 21.0], [31.0, 31.0], [11.0, 11.0]]
+    pooled, by_placement = pool_rounds(taken, "cold", 3)
+    again, again_by = interleave_placed(placed({"kernel": [10.0, 20.0, 30.0], "peer": [12.0, 12.0, 12.0]}, []),
+                                        "cold", 4, 2)
+    assert pooled == again and by_placement == again_by and by_placement[0]["kernel"].samples == 4
+
+
+def test_a_round_ratio_pairs_the_rounds_so_a_placement_both_feel_cancels():
+    # the kernel 1% under the peer at every placement, the placements 50% apart: pooled spreads call it a tie,
+    # the rounds' ratios do not
+    calls = []
+    groups = placed({"kernel": [9.9, 14.85, 19.8], "peer": [10.0, 15.0, 20.0]}, calls)
+    taken = interleave_rounds(groups, "hot", rounds=16, per_round=3)
+    pooled, _ = pool_rounds(taken, "hot", 3)
+    assert pooled["kernel"].ties_with(pooled["peer"])
+    ratio = round_ratio([by["kernel"] for by in taken], [by["peer"] for by in taken])
+    assert ratio.rounds == 16 and ratio.median == pytest.approx(0.99) and ratio.verdict == "faster"
+
+
+def test_a_round_ratio_is_slower_only_where_its_interval_lies_above_one():
+    peer = [[10.0, 10.0]] * 16
+    # 3 of 16 rounds under the peer: the interval starts at the 4th smallest ratio, over 1
+    slower = round_ratio([[10.2, 10.1]] * 13 + [[9.9, 9.9]] * 3, peer)
+    assert slower.verdict == "slower" and slower.low > 1.0
+    # 4 of 16: the median is as far over 1, the interval now holds it
+    mixed = round_ratio([[10.2, 10.1]] * 12 + [[9.9, 9.9]] * 4, peer)
+    assert mixed.median > 1.0 and mixed.low < 1.0 and mixed.verdict == "tie"
+    with pytest.raises(ValueError, match="same count"):
+        round_ratio([[1.0]] * 3, [[1.0]] * 2)
+
+
+def test_the_median_interval_is_the_widest_order_statistics_short_of_the_coverage():
+    low, high, coverage = median_interval(list(range(16)))
+    assert (low, high) == (3, 12) and coverage == pytest.approx(1 - 2 * 697 / 2**16)
+    # five values cannot reach 95%: the whole range, and its coverage said
+    assert median_interval([5.0, 1.0, 4.0, 2.0, 3.0]) == (1.0, 5.0, pytest.approx(1 - 2 / 32))
+    with pytest.raises(ValueError):
+        median_interval([])
 
 
 class _Variant:
