@@ -443,7 +443,7 @@ def interleave_rounds(placed: Sequence[Sequence[Subject]], method: str, rounds: 
     name: what a paired comparison of two subjects reads (timing.round_ratio)."""
     names = sorted(s.name for s in placed[0])
     if any(sorted(s.name for s in group) != names for group in placed):
-        raise ValueError("interleave_placed: every placement must hold the same subjects")
+        raise ValueError("interleave: every placement must hold the same subjects")
     return [{subject.name: (subject.hot if method == "hot" else subject.cold)(per_round)
              for subject in placed[r % len(placed)]} for r in range(rounds)]
 

@@ -82,7 +82,8 @@ def median_interval(values: Sequence[float]) -> tuple[float, float, float]:
 def round_ratio(mine: Sequence[Sequence[float]], theirs: Sequence[Sequence[float]]) -> RoundRatio:
     """mine[r] and theirs[r]: the two subjects' samples of round r."""
     if len(mine) != len(theirs) or not mine:
-        raise ValueError(f"round_ratio: rounds of both subjects, the same count ({len(mine)} and {len(theirs)})")
+        raise ValueError(f"round_ratio: both subjects' samples of the same rounds, at least one (got {len(mine)} "
+                         f"and {len(theirs)} rounds)")
     ratios = [float(np.median(a) / np.median(b)) for a, b in zip(mine, theirs)]
     low, high, coverage = median_interval(ratios)
     return RoundRatio(rounds=len(ratios), median=float(np.median(ratios)), low=low, high=high, coverage=coverage)

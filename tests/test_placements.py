@@ -107,7 +107,7 @@ def test_a_round_ratio_is_slower_only_where_its_interval_lies_above_one():
     # 4 of 16: the median is as far over 1, the interval now holds it
     mixed = round_ratio([[10.2, 10.1]] * 12 + [[9.9, 9.9]] * 4, peer)
     assert mixed.median > 1.0 and mixed.low < 1.0 and mixed.verdict == "tie"
-    with pytest.raises(ValueError, match="same count"):
+    with pytest.raises(ValueError, match="same rounds"):
         round_ratio([[1.0]] * 3, [[1.0]] * 2)
 
 
