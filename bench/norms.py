@@ -51,11 +51,13 @@ def tune_flags(shape, m: int) -> list[str]:
     return flags + (["--config", "residual=true"] if shape.residual else [])
 
 
-def bench_shape(op, shape, m: int, params, device, contenders: dict | None = None, rounds: int = ROUNDS) -> dict:
+def bench_shape(op, shape, m: int, params, device, contenders: dict | None = None, rounds: int = ROUNDS,
+                keep_samples: bool = False) -> dict:
     """One row: the kernel of `params` (named mage-gen) against the peers and the copy, at every placement.
     contenders (name -> params, or a variant built already, as a probe builds one its op does not render): other
     kernels timed beside it in the same rounds, each gated at every placement (one that fails anywhere is named in
-    the result and timed nowhere); the ratios are the named kernel's."""
+    the result and timed nowhere); the ratios are the named kernel's. keep_samples: every sample too, by method
+    and round ({method: [{name: samples}]}, round r at placement r % PLACEMENTS), under "samples"."""
     run = {"m": m}
     variant = build(op, shape, params, device.arch)
     bench = Bench(op, shape, run, seed=m + shape.d)
@@ -146,6 +148,8 @@ def bench_shape(op, shape, m: int, params, device, contenders: dict | None = Non
         "peer_configs": {name: {**c[0], "at the other placements": c[1:]} for name, c in peer_configs.items()},
         "peers_missing": missing, "copy_configs": copy_configs,
     }
+    if keep_samples:
+        result["samples"] = taken
     if contenders:
         result["contenders"] = {name: {"kernel": v.source.kernel_name, "params": op.params_to_dict(v.params),
                                        **({"failed": failed[name]} if name in failed else {})}

@@ -17,23 +17,12 @@ import sys
 import numpy as np
 
 sys.path.insert(0, "bench")
-import norms
 from _common import provenance, stored_case, write_result
 from norms import PER_ROUND, PLACEMENTS, ROUNDS, bench_shape
 
 ROWS = (("rmsnorm", False, 16384, 8192), ("rmsnorm", True, 4096, 4096))
 PROBE_ROUNDS = 2 * ROUNDS
 SHOWN = ("mage-gen", "weights late", "inductor", "triton", "floor:copy")
-
-
-def _kept(taken: dict):
-    """norms.interleave_rounds, its rounds also kept in taken[method]."""
-    inner = norms.interleave_rounds
-
-    def keep(placed, method, rounds, per_round):
-        taken[method] = inner(placed, method, rounds, per_round)
-        return taken[method]
-    return keep
 
 
 def spread(samples_by_round: list[dict[str, list[float]]], name: str) -> dict:
@@ -54,9 +43,7 @@ def main() -> None:
         contenders = {}
         if stored.weights != "late":
             contenders["weights late"] = dataclasses.replace(stored, weights="late")
-        taken: dict = {}
-        norms.interleave_rounds = _kept(taken)
-        row = bench_shape(op, shape, m, stored, device, contenders=contenders, rounds=PROBE_ROUNDS)
+        row = bench_shape(op, shape, m, stored, device, contenders=contenders, rounds=PROBE_ROUNDS, keep_samples=True)
         if "timings" not in row:
             print(f"{label}: the stored kernel failed its gate: {row['gate']['reason']}", flush=True)
             doc["rows"][label] = {"gate": row["gate"]}
@@ -64,9 +51,10 @@ def main() -> None:
         doc["rows"][label] = {
             "kernel": row["kernel"], "contenders": row.get("contenders"),
             "cold_round_ratio_to_best_peer": row["cold_round_ratio_to_best_peer"],
-            "cold": {name: spread(taken["cold"], name) for name in SHOWN if name in row["timings"]},
-            "hot": {name: spread(taken["hot"], name) for name in SHOWN if name in row["timings"]},
-            "cold_samples": {name: [by[name] for by in taken["cold"]] for name in SHOWN if name in row["timings"]},
+            "cold": {name: spread(row["samples"]["cold"], name) for name in SHOWN if name in row["timings"]},
+            "hot": {name: spread(row["samples"]["hot"], name) for name in SHOWN if name in row["timings"]},
+            "cold_samples": {name: [by[name] for by in row["samples"]["cold"]] for name in SHOWN
+                             if name in row["timings"]},
         }
         for name, s in doc["rows"][label]["cold"].items():
             print(f"{label:22} {name:13} cold p5/25/50/75/95 {s['percentiles_5_25_50_75_95']} by launch in round "
