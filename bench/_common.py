@@ -20,6 +20,7 @@ from mage_gen.measure import FLUSH_BYTES, HOT_LAUNCHES_PER_GRAPH
 from mage_gen.ops import get_op
 from mage_gen.runtime import Prepared
 from mage_gen.store import gpu_slug, load_winner, write_atomic
+from mage_gen.timing import round_ratio
 
 TUNE_OUT = "/tmp/mage-gen-bench-kernels"
 
@@ -54,6 +55,31 @@ def stored_case(op_name: str, m: int, d: int, dtype: str = "bf16", residual: boo
     shape = op.shape(d=d, dtype=dtype, residual=residual)
     run = {"m": m}
     return device, op, shape, run, winner_params(op, shape, device, False, [], run=run)
+
+
+def report_contenders(label: str, row: dict, contenders: Iterable[str], samples: dict | None = None) -> dict:
+    """Prints a probe's row of bench_shape: each contender's, Inductor's and the copy's time over the stored kernel's,
+    round by round, where `samples` (bench_shape's keep_samples) has them, then every subject's hot and cold times.
+    Returns the paired ratios by 'method: name / stored'."""
+    names = [*contenders, "inductor", "floor:copy"]
+    paired = {}
+    for method, rounds in (samples or {}).items():
+        for name in names:
+            if rounds and name in rounds[0]:
+                ratio = round_ratio([r[name] for r in rounds], [r["mage-gen"] for r in rounds])
+                paired[f"{method}: {name} / stored"] = ratio.to_dict()
+                print(f"{label:22} {method:4} {name:26} / stored: {ratio.median:.4f} "
+                      f"({ratio.low:.4f}-{ratio.high:.4f}) {ratio.verdict}", flush=True)
+    timings = row.get("timings", {})
+    for name in ("mage-gen", *names):
+        if name in timings:
+            h, c = timings[name]["hot"], timings[name]["cold"]
+            print(f"{label:22} {name:26} hot {h['median_us']:7.2f}±{h['spread_us']:.2f} cold "
+                  f"{c['median_us']:7.2f}±{c['spread_us']:.2f} cold−hot {c['median_us'] - h['median_us']:+.2f}",
+                  flush=True)
+    for name, why in row.get("failed", {}).items():
+        print(f"{label:22} {name}: FAILED {why}", flush=True)
+    return paired
 
 
 def prepared(op, shape, variant, run: dict) -> Prepared:

@@ -27,7 +27,8 @@ from mage_gen.variants import Variant, build
 
 from _copy import CANDIDATES as COPY_CANDIDATES
 from _copy import FLOOR, PICK, picked_copies  # bench/_copy.py
-from _common import geomean, provenance, timing_method, winner_params, write_result  # bench/_common.py, beside this script
+from _common import (geomean, provenance, report_contenders, stored_case, timing_method, winner_params,
+                     write_result)  # bench/_common.py, beside this script
 
 SHAPES = [(4096, 768), (4096, 4096), (4096, 8192), (65536, 768), (32768, 4096), (16384, 8192)]
 OPS = ("layernorm", "rmsnorm")
@@ -168,6 +169,23 @@ def bench_shape(op, shape, m: int, params, device, contenders: dict | None = Non
         # the copy of the same bytes, timed the same way in the same rounds, over this kernel's time
         result[f"{method}_fraction_of_copy"] = table[FLOOR].median_us / mine.median_us
     return result
+
+
+def probe_contenders(doc: dict, filename: str, cases, contenders_of) -> None:
+    """A probe's run: at each (op, residual, m, d) of `cases` the stored kernel beside contenders_of(op, shape,
+    stored params, device) (name -> params or a built variant) in bench_shape's rounds, each contender's time over
+    the stored kernel's paired round by round and printed (row["paired"]); rows into doc["rows"] by label, doc
+    written to bench/results/<gpu>/<filename>."""
+    device = None
+    for op_name, residual, m, d in cases:
+        device, op, shape, _, stored = stored_case(op_name, m, d, residual=residual)
+        label = f"{op_name}{'+res' if residual else ''}:{m}x{d}"
+        contenders = contenders_of(op, shape, stored, device)
+        row = bench_shape(op, shape, m, stored, device, contenders=contenders, keep_samples=True)
+        row["paired"] = report_contenders(label, row, contenders, row.pop("samples", {}))
+        doc.setdefault("rows", {})[label] = row
+    doc.update(provenance(device))
+    write_result(device, filename, json.dumps(doc, indent=1) + "\n")
 
 
 def _against_best(r: dict, method: str) -> str:

@@ -14,7 +14,7 @@ import json
 import sys
 
 sys.path.insert(0, "bench")
-from _common import provenance, stored_case, write_result
+from _common import provenance, report_contenders, stored_case, write_result
 from norms import bench_shape
 
 from mage_gen.ops.rmsnorm import RMSNorm
@@ -45,13 +45,7 @@ def main() -> None:
         plain = build(PlainLoads(), shape, stored, device.arch)
         row = bench_shape(op, shape, m, stored, device, contenders={"plain loads": plain})
         doc["rows"][label] = row
-        t = row.get("timings", {})
-        for name in ("mage-gen", "plain loads", "inductor", "floor:copy"):
-            if name in t:
-                h, c = t[name]["hot"], t[name]["cold"]
-                print(f"{label:22} {name:12} hot {h['median_us']:7.2f}±{h['spread_us']:.2f} cold "
-                      f"{c['median_us']:7.2f}±{c['spread_us']:.2f} cold−hot {c['median_us'] - h['median_us']:+.2f}",
-                      flush=True)
+        report_contenders(label, row, ["plain loads"])
     doc.update(provenance(device))
     write_result(device, "norms_plain_keep_probe.json", json.dumps(doc, indent=1) + "\n")
 

@@ -88,7 +88,12 @@ class Buffer:
 class Kernel:
     """One entry of a loaded cubin."""
 
-    def __init__(self, cubin: bytes, name: str, dynamic_shared_bytes: int = 0):
+    def __init__(self, cubin: bytes, name: str, dynamic_shared_bytes: int = 0, carveout: int | None = None):
+        """carveout: the share of the SM's unified L1/shared memory, in percent, preferred for shared memory
+        (CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT; the driver rounds it up to a size the SM has, or to
+        what one block needs); None leaves the choice to the driver."""
+        if carveout is not None and not 0 <= carveout <= 100:
+            raise ValueError(f"carveout: a percentage from 0 to 100, got {carveout}")
         self.name = name
         self.module = _check(cu.cuModuleLoadData(cubin), f"cuModuleLoadData({name})")
         self.function = _check(cu.cuModuleGetFunction(self.module, name.encode()), f"cuModuleGetFunction({name})")
@@ -101,6 +106,10 @@ class Kernel:
             _check(cu.cuFuncSetAttribute(
                 self.function, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 dynamic_shared_bytes), f"cuFuncSetAttribute({name}, max dynamic shared)")
+        if carveout is not None:
+            _check(cu.cuFuncSetAttribute(
+                self.function, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                carveout), f"cuFuncSetAttribute({name}, shared memory carveout)")
 
     def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], shared: int,
                args: KernelArgs, stream: Any = 0) -> None:

@@ -546,7 +546,8 @@ class Bench:
 
     def load(self, variant: Any) -> gpu.Kernel:
         launch = self.op.geometry(self.shape, variant.params, self.run)
-        return gpu.Kernel(variant.compiled.cubin, variant.source.kernel_name, launch.dynamic_shared_bytes)
+        return gpu.Kernel(variant.compiled.cubin, variant.source.kernel_name, launch.dynamic_shared_bytes,
+                          variant.carveout)
 
     def timing_inputs(self) -> dict[str, np.ndarray]:
         """The inputs every variant (and peer) is timed on; the gate draws fresh ones for every check."""

@@ -25,6 +25,8 @@ class Variant:
     source: Source
     compiled: Compiled
     census: Census
+    # the shared-memory carveout it is loaded with (gpu.Kernel), in percent; None: the driver's choice
+    carveout: int | None = None
 
 
 def check_op_arch(op: Op, arch: str, shape: Any = None, params: Any = None) -> str:
