@@ -35,7 +35,9 @@ class Source:
 # a load's state space and cache operator, as they follow `ld`; volatile: issued where it is written, never hoisted
 # out of its loop or merged with another load of the address (it takes no cache policy)
 _LOAD_HINTS = {"": ".global", "nc": ".global.nc", "nc_na": ".global.nc.L1::no_allocate", "cg": ".global.cg",
-               "cs": ".global.cs", "volatile": ".volatile.global"}
+               "cs": ".global.cs", "volatile": ".volatile.global",
+               # L1 eviction priorities (sm_70): a line read again soon, a line's last read
+               "nc_l1_last": ".global.nc.L1::evict_last", "nc_l1_first": ".global.nc.L1::evict_first"}
 _STORE_HINTS = {"": "", "cs": ".cs", "cg": ".cg"}
 
 

@@ -43,6 +43,11 @@ CASES = [
                                                      "hint": "keep_unreleased", "stats": "shifted", "l2_ahead": 2048}),
     (RMS, dict(d=4096, dtype="bf16", residual=True), {"template": "wide", "threads": 512, "vector": 16,
                                                       "hint": "keep_unreleased", "min_blocks": 4, "weights": "l2"}),
+    # L1 eviction priorities on the two passes and w
+    (RMS, dict(d=8192, dtype="bf16"), {"template": "wide", "threads": 256, "vector": 16, "hint": "keep_unreleased",
+                                       "min_blocks": 4, "weights": "l2", "l1": "last_first"}),
+    (RMS, dict(d=4096, dtype="bf16", residual=True), {"template": "wide", "threads": 512, "vector": 16,
+                                                      "hint": "keep_unreleased", "min_blocks": 4, "l1": "first"}),
     # rows too wide for registers, at few rows: the gate's float64 reference is computed on the host
     (LN, dict(d=131074, dtype="bf16", residual=True), {"template": "wide", "threads": 512, "vector": 16, "m": 37}),
     (RMS, dict(d=100002, dtype="fp16", weight_dtype="fp32"), {"template": "wide", "threads": 1024, "vector": 8,

@@ -146,3 +146,44 @@ def test_shifted_statistics_in_wide_need_rows_of_whole_vectors():
     op = get_op("layernorm")
     with pytest.raises(ConfigError, match="^wide-options: .*whole vectors"):
         op.validate(op.shape(d=1001 * 2, dtype="bf16"), wide(op, threads=64, stats="shifted"))
+
+
+L1_QUALIFIERS = {"normal": (None, None), "last": ("L1::evict_last", None), "first": (None, "L1::evict_first"),
+                 "last_first": ("L1::evict_last", "L1::evict_first")}
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("l1", list(L1_QUALIFIERS))
+def test_l1_priorities_mark_the_first_pass_and_w_evict_last_and_the_second_evict_first(l1, residual):
+    op = get_op("rmsnorm")
+    shape = op.shape(d=1024, dtype="bf16", residual=residual)
+    variant = build(op, shape, wide(op, hint="keep_unreleased", l1=l1), ARCH)
+    first, second = L1_QUALIFIERS[l1]
+    rows = ("x", "residual") if residual else ("x",)
+
+    def qualifiers(tag):
+        lines = [line for line in variant.compiled.ptx.splitlines() if line.strip().startswith("ld.global")
+                 and f"tensor={tag}" in line]
+        assert lines, tag
+        return {q for line in lines for q in re.findall(r"L1::\w+", line.split()[0])}
+
+    for row in rows:
+        assert qualifiers(f"{row}.pass1") == ({first} if first else set())
+        assert qualifiers(f"{row}.pass2") == ({second} if second else set())
+    assert qualifiers("w") == ({first} if first else set())
+    suffix = {"normal": "_keep_unreleased", "last": "_l1l", "first": "_l1f", "last_first": "_l1lf"}[l1]
+    assert variant.source.kernel_name.endswith(suffix)
+    for m in (1, 5):
+        result = interp.gate(op, shape, variant, {"m": m}, np.random.default_rng(m))
+        assert result.passed, result.reason
+
+
+@pytest.mark.parametrize("params,words", [
+    ({"template": "row", "hint": "nc", "l1": "last"}, "^l1: L1 priorities are given to the two passes of a keep hint"),
+    ({"template": "wide", "hint": "nc", "l1": "first"}, "hint is nc; leave l1 at normal"),
+    ({"template": "wide", "hint": "keep", "l1": "both"}, "^l1: l1 must be one of"),
+])
+def test_l1_priorities_are_refused_outside_a_keep_hint(params, words):
+    op = get_op("rmsnorm")
+    with pytest.raises(ConfigError, match=words):
+        op.validate(op.shape(d=1024, dtype="bf16"), op.params_from_dict({"threads": 64, "vector": 16, **params}))

@@ -49,6 +49,9 @@ KEEP_HINTS = ("keep", "keep_unreleased")
 WEIGHTS = ("late", "early", "l2")
 HOLDS = ("float", "packed")
 AHEAD_PRIORITIES = ("normal", "last")
+# L1 eviction priorities of a keep hint's loads: (first pass and w, second pass) -> the load hints they take
+L1_PRIORITIES = {"normal": ("nc", "nc"), "last": ("nc_l1_last", "nc"), "first": ("nc", "nc_l1_first"),
+                 "last_first": ("nc_l1_last", "nc_l1_first")}
 MAX_D = 1 << 20
 # The kernels count rows and row groups in int: (M + R - 1) / R and a group's last row must not overflow.
 MAX_ROWS = 2**31 - 1024
@@ -115,13 +118,19 @@ class Params:
     # and stores bring in go first and the rows asked ahead are still in L2 when their block reads them; that
     # block then gives them normal priority again, which a read does not (bench/NOTES.md, norms §14)
     ahead_priority: str = "normal"
+    # the L1 eviction priority of a keep hint's loads (template wide): last, the first pass's and w's, so that the
+    # second pass finds the row in L1 rather than L2 (how much L1 an SM has moves those kernels by percents); first,
+    # the second pass's, the row's last read; last_first, both, as Inductor's two-pass norms load; normal: none
+    # (bench/NOTES.md, norms §26)
+    l1: str = "normal"
 
     def label(self) -> str:
         extra = ((f" {self.stats}" if self.stats != "two_pass" else "") + (f" grid≤{self.grid_cap}" if self.grid_cap else "")
                  + (f" w-{self.weights}" if self.weights != "late" else "") + (f" B≥{self.min_blocks}" if self.min_blocks > 1 else "")
                  + (" held-packed" if self.hold == "packed" else "")
                  + (f" L2+{self.l2_ahead}K" if self.l2_ahead else "")
-                 + (f" evict-{self.ahead_priority}" if self.ahead_priority != "normal" else ""))
+                 + (f" evict-{self.ahead_priority}" if self.ahead_priority != "normal" else "")
+                 + (f" L1-{self.l1}" if self.l1 != "normal" else ""))
         return (f"{self.template} T{self.threads} V{self.vector}B R{self.rows_per_block} "
                 f"{self.rsqrt} {self.hint}{extra}")
 
@@ -280,6 +289,11 @@ class LayerNorm:
         if p.ahead_priority != "normal" and not p.l2_ahead:
             raise ConfigError("ahead-priority: the priority is of the rows asked ahead, and l2_ahead is 0; "
                               "leave ahead_priority at normal or set l2_ahead")
+        if p.l1 not in L1_PRIORITIES:
+            raise ConfigError(f"l1: l1 must be one of {tuple(L1_PRIORITIES)}, got {p.l1!r}")
+        if p.l1 != "normal" and p.hint not in KEEP_HINTS:
+            raise ConfigError(f"l1: L1 priorities are given to the two passes of a keep hint (template wide), and "
+                              f"hint is {p.hint}; leave l1 at normal")
         if p.l2_ahead and d * act.itemsize % 16:
             raise ConfigError(f"l2-ahead: a bulk prefetch moves whole 16-byte units from 16-byte-aligned rows, and a "
                               f"row of d={d} {act.short} is {d * act.itemsize} bytes; leave l2_ahead at 0")
@@ -341,7 +355,8 @@ class LayerNorm:
                 + (f"_g{p.grid_cap}" if p.grid_cap else "") + ("" if p.weights == "late" else f"_w{p.weights}")
                 + (f"_b{p.min_blocks}" if p.min_blocks > 1 else "") + ("_hpack" if p.hold == "packed" else "")
                 + (f"_ahead{p.l2_ahead}k" if p.l2_ahead else "")
-                + (f"_evict{p.ahead_priority}" if p.ahead_priority != "normal" else ""))
+                + (f"_evict{p.ahead_priority}" if p.ahead_priority != "normal" else "")
+                + ("" if p.l1 == "normal" else "_l1" + {"last": "l", "first": "f", "last_first": "lf"}[p.l1]))
 
     def _type_tag(self, shape: Shape) -> str:
         """'' for fp32 without residual (the names of every kernel tuned before dtypes), else e.g. _bf16_wf32_res."""
@@ -353,6 +368,10 @@ class LayerNorm:
         d, t, v, r = shape.d, p.threads, self._elements(shape, p), p.rows_per_block
         nvec = d // v
         x_hint, y_hint, wb_hint = _HINT_SUFFIXES[p.hint]
+        pass1_hint = "nc" if p.hint != "none" else ""
+        if p.l1 != "normal":  # keep hints only (validate): their passes and w all take the read-only path
+            pass1_hint, x_hint = L1_PRIORITIES[p.l1]
+            wb_hint = pass1_hint
         act, weight = element_type(shape.dtype), element_type(shape.weight_dtype)
         return dict(
             D=d, T=t, V=v, R=r, W=t // 32, BLOCK=t * r, NVEC=nvec, S=self._slots(shape, p),
@@ -360,7 +379,7 @@ class LayerNorm:
             GUARD_ROWS=r > 1 or p.grid_cap > 0, PERSISTENT=p.grid_cap > 0, STATS=p.stats,
             INV_D=f"{1.0 / d:.9e}f", RSQRT=p.rsqrt,
             X_HINT=x_hint, Y_HINT=y_hint, WB_HINT=wb_hint,
-            X_HINT_PASS1="nc" if p.hint != "none" else "", X_HINT_PASS2=x_hint, UNROLL=4, NORM=self.norm,
+            X_HINT_PASS1=pass1_hint, X_HINT_PASS2=x_hint, UNROLL=4, NORM=self.norm,
             KEEP=p.hint in KEEP_HINTS, KEEP_RELEASE=p.hint == "keep",
             # wide, rows of whole vectors: the chunks of the second pass a thread loads before it stores any
             G=min(4, -(-nvec // t)), XW=v // 2 if act.half else v, WW=v // 2 if weight.half else v,
