@@ -90,8 +90,9 @@ class Kernel:
 
     def __init__(self, cubin: bytes, name: str, dynamic_shared_bytes: int = 0, carveout: int | None = None):
         """carveout: the share of the SM's unified L1/shared memory, in percent, preferred for shared memory
-        (CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT; the driver rounds it up to a size the SM has, or to
-        what one block needs); None leaves the choice to the driver."""
+        (CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT). A hint the driver maps to a split of its own: on the
+        H200, 0, 7 and 100 gave 8, 164 and 228 KB, and no preference 16 KB (bench/NOTES.md, norms §26). None
+        leaves the choice to the driver."""
         if carveout is not None and not 0 <= carveout <= 100:
             raise ValueError(f"carveout: a percentage from 0 to 100, got {carveout}")
         self.name = name

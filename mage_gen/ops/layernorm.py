@@ -49,9 +49,10 @@ KEEP_HINTS = ("keep", "keep_unreleased")
 WEIGHTS = ("late", "early", "l2")
 HOLDS = ("float", "packed")
 AHEAD_PRIORITIES = ("normal", "last")
-# L1 eviction priorities of a keep hint's loads: (first pass and w, second pass) -> the load hints they take
-L1_PRIORITIES = {"normal": ("nc", "nc"), "last": ("nc_l1_last", "nc"), "first": ("nc", "nc_l1_first"),
-                 "last_first": ("nc_l1_last", "nc_l1_first")}
+# L1 eviction priorities of a keep hint's loads: l1 -> (the load hint of the first pass and w, of the second pass,
+# the kernel name's suffix)
+L1_PRIORITIES = {"normal": ("nc", "nc", ""), "last": ("nc_l1_last", "nc", "_l1l"),
+                 "first": ("nc", "nc_l1_first", "_l1f"), "last_first": ("nc_l1_last", "nc_l1_first", "_l1lf")}
 MAX_D = 1 << 20
 # The kernels count rows and row groups in int: (M + R - 1) / R and a group's last row must not overflow.
 MAX_ROWS = 2**31 - 1024
@@ -356,7 +357,7 @@ class LayerNorm:
                 + (f"_b{p.min_blocks}" if p.min_blocks > 1 else "") + ("_hpack" if p.hold == "packed" else "")
                 + (f"_ahead{p.l2_ahead}k" if p.l2_ahead else "")
                 + (f"_evict{p.ahead_priority}" if p.ahead_priority != "normal" else "")
-                + ("" if p.l1 == "normal" else "_l1" + {"last": "l", "first": "f", "last_first": "lf"}[p.l1]))
+                + L1_PRIORITIES[p.l1][2])
 
     def _type_tag(self, shape: Shape) -> str:
         """'' for fp32 without residual (the names of every kernel tuned before dtypes), else e.g. _bf16_wf32_res."""
@@ -369,8 +370,8 @@ class LayerNorm:
         nvec = d // v
         x_hint, y_hint, wb_hint = _HINT_SUFFIXES[p.hint]
         pass1_hint = "nc" if p.hint != "none" else ""
-        if p.l1 != "normal":  # keep hints only (validate): their passes and w all take the read-only path
-            pass1_hint, x_hint = L1_PRIORITIES[p.l1]
+        if p.hint in KEEP_HINTS:  # both passes and w by the read-only path, at the L1 priorities asked
+            pass1_hint, x_hint, _ = L1_PRIORITIES[p.l1]
             wb_hint = pass1_hint
         act, weight = element_type(shape.dtype), element_type(shape.weight_dtype)
         return dict(
