@@ -113,6 +113,31 @@ def _hint(table: dict[str, str], hint: str) -> str:
     return table[hint]
 
 
+# A load hint may name how much L2 fetches from DRAM on a miss, after an @: 'nc@256' is the read-only path with
+# .L2::256B. The qualifier follows .L2::cache_hint in PTX, so the macros place it apart from the hint's others.
+L2_FETCH_BYTES = (64, 128, 256)
+
+
+def _split_load_hint(hint: str) -> tuple[str, int]:
+    base, at, size = hint.partition("@")
+    if not at:
+        return hint, 0
+    if not size.isdigit() or int(size) not in L2_FETCH_BYTES:
+        raise jinja2.TemplateRuntimeError(f"L2 fetch size of load hint {hint!r} must be one of {L2_FETCH_BYTES}")
+    if base == "volatile":
+        raise jinja2.TemplateRuntimeError(f"load hint {hint!r}: a volatile load takes no L2 fetch size")
+    return base, int(size)
+
+
+def _load_hint(hint: str) -> str:
+    return _hint(_LOAD_HINTS, _split_load_hint(hint)[0])
+
+
+def _load_fetch(hint: str) -> str:
+    size = _split_load_hint(hint)[1]
+    return f".L2::{size}B" if size else ""
+
+
 def _cp_level(level: str, nbytes: int) -> str:
     if nbytes not in (4, 8, 16):
         raise jinja2.TemplateRuntimeError(f"cp.async copies 4, 8 or 16 bytes, got {nbytes}")
@@ -167,7 +192,8 @@ def environment() -> jinja2.Environment:
         mma_shape=_mma_shape,
         cache_policy_operand=_cache_policy_operand,
         cache_policy_input=_cache_policy_input,
-        ld_hint=lambda h: _hint(_LOAD_HINTS, h),
+        ld_hint=_load_hint,
+        ld_fetch=_load_fetch,
         st_hint=lambda h: _hint(_STORE_HINTS, h),
         cp_level=_cp_level,
         butterfly=_butterfly,

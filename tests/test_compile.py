@@ -1,8 +1,10 @@
 import dataclasses
 import os
 
+import numpy as np
 import pytest
 
+from mage_gen import interp
 from mage_gen.census import take_census
 from mage_gen.compile import compile_source
 from mage_gen.errors import CompileError, ConfigError
@@ -83,11 +85,43 @@ def test_ptx_vocabulary_compiles_and_is_counted():
     assert "ld.global.nc.L1::no_allocate.f32" in compiled.ptx and "st.global.cs.v4.f32" in compiled.ptx
 
 
+FETCH_PROBE = """
+{% import "ptx.j2" as ptx %}{% import "half.j2" as half %}
+extern "C" __global__ void fetch(const float* __restrict__ in, const unsigned* __restrict__ packed, float* out,
+                                 unsigned* packed_out) {
+    {{ ptx.create_policy('policy', 'last') }}
+    float a[4]; unsigned b[4];
+    {{ ptx.ld_global(regs('a', 4), 'in + 4 * threadIdx.x', 'nc@256', 'in') }}
+    {{ half.ld_global_b32(regs('b', 4), 'packed + 4 * threadIdx.x', 'nc_l1_last@128', 'packed', 'policy') }}
+    {{ ptx.st_global('out + 4 * threadIdx.x', regs('a', 4), '', 'out') }}
+    {{ half.st_global_b32('packed_out + 4 * threadIdx.x', regs('b', 4), '', 'packed_out') }}
+}
+"""
+
+
+def test_a_load_hint_names_how_much_l2_fetches_after_its_cache_policy_and_moves_the_same_bits():
+    text = environment().from_string(FETCH_PROBE).render()
+    compiled = compile_source(Source(text=text, kernel_name="fetch", template="-", template_hash="-", params=None))
+    loads = [line.split()[0] for line in compiled.ptx.splitlines() if line.strip().startswith("ld.global")]
+    # PTX orders them: eviction priority, cache policy, prefetch size, vector
+    assert sorted(loads) == ["ld.global.nc.L1::evict_last.L2::cache_hint.L2::128B.v4.b32", "ld.global.nc.L2::256B.v4.f32"]
+    census = take_census(compiled)
+    assert census.loads_of("in", "v4") == 1 and census.loads_of("packed", "v4") == 1
+    rng = np.random.default_rng(0)
+    source, packed = rng.standard_normal(128, dtype=np.float32), rng.integers(0, 2**32, 128, dtype=np.uint32)
+    out, packed_out = np.full(128, np.nan, np.float32), np.zeros(128, np.uint32)
+    interp.run(compiled.ptx, "fetch", 1, 32, 0, [source, packed, out, packed_out])
+    assert out.view(np.uint32).tolist() == source.view(np.uint32).tolist() and (packed_out == packed).all()
+
+
 @pytest.mark.parametrize("snippet, message", [
     ("{{ ptx.cp_async('d', 's', 8, 'cg') }}", "16 bytes only"),
     ("{{ ptx.cp_async('d', 's', 12) }}", "4, 8 or 16"),
     ("{{ ptx.ld_global(['a', 'b', 'c'], 'p') }}", "1, 2 or 4"),
     ("{{ ptx.ld_global(['a'], 'p', 'sticky') }}", "unknown cache hint"),
+    ("{{ ptx.ld_global(['a'], 'p', 'sticky@128') }}", "unknown cache hint"),
+    ("{{ ptx.ld_global(['a'], 'p', 'nc@96') }}", "L2 fetch size of load hint 'nc@96' must be one of"),
+    ("{{ ptx.ld_global(['a'], 'p', 'volatile@64') }}", "a volatile load takes no L2 fetch size"),
     ("{{ ptx.rsqrt('a', 'b', 'fast') }}", "rsqrt mode"),
     ("{{ undefined_name }}", "undefined"),
 ])
