@@ -7,7 +7,7 @@ import datetime
 import math
 import subprocess
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from mage_gen.compile import nvrtc_version
 from mage_gen.errors import StoreError
 from mage_gen.measure import FLUSH_BYTES, HOT_LAUNCHES_PER_GRAPH
 from mage_gen.ops import get_op
+from mage_gen.ops.rmsnorm import RMSNorm
 from mage_gen.runtime import Prepared
 from mage_gen.store import gpu_slug, load_winner, write_atomic
 from mage_gen.timing import round_ratio
@@ -55,6 +56,22 @@ def stored_case(op_name: str, m: int, d: int, dtype: str = "bf16", residual: boo
     shape = op.shape(d=d, dtype=dtype, residual=residual)
     run = {"m": m}
     return device, op, shape, run, winner_params(op, shape, device, False, [], run=run)
+
+
+class ProbeRMSNorm(RMSNorm):
+    """RMSNorm rendered with its template context changed by `change` (a probe's variant of a stored kernel: other
+    load or store qualifiers), its kernels named with `suffix`, so that they compile and cache apart from the stored
+    ones."""
+
+    def __init__(self, change: Callable[[dict], dict], suffix: str):
+        super().__init__()
+        self.change, self.suffix = change, suffix
+
+    def context(self, shape, p):
+        return self.change(super().context(shape, p))
+
+    def kernel_name(self, shape, p):
+        return super().kernel_name(shape, p) + self.suffix
 
 
 def report_contenders(label: str, row: dict, contenders: Iterable[str], samples: dict | None = None) -> dict:

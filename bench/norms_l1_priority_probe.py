@@ -15,9 +15,9 @@ import dataclasses
 import sys
 
 sys.path.insert(0, "bench")
+from _common import ProbeRMSNorm
 from norms import probe_contenders
 
-from mage_gen.ops.rmsnorm import RMSNorm
 from mage_gen.variants import build
 
 CASES = (("rmsnorm", False, 16384, 8192), ("rmsnorm", True, 4096, 4096), ("rmsnorm", False, 4096, 8192),
@@ -28,27 +28,19 @@ PRIORITIES = {"L1 last/first": ("nc_l1_last", "nc_l1_first", "nc_l1_last"),
               "L1 first": ("nc", "nc_l1_first", "nc")}
 
 
-class L1Priorities(RMSNorm):
-    """RMSNorm whose keep hints give L1 eviction priorities too."""
+def l1_priorities(label: str) -> ProbeRMSNorm:
+    """RMSNorm whose keep hints give L1 eviction priorities too (PRIORITIES[label])."""
+    first, second, weights = PRIORITIES[label]
 
-    def __init__(self, label: str):
-        super().__init__()
-        self.label = label
-
-    def context(self, shape, p):
-        context = super().context(shape, p)
-        if context["KEEP"]:
-            first, second, weights = PRIORITIES[self.label]
-            context.update(X_HINT_PASS1=first, X_HINT_PASS2=second, WB_HINT=weights)
-        return context
-
-    def kernel_name(self, shape, p):
-        return super().kernel_name(shape, p) + "_l1" + "".join(w[0] for w in self.label[3:].split("/"))
+    def change(context: dict) -> dict:
+        return {**context, "X_HINT_PASS1": first, "X_HINT_PASS2": second, "WB_HINT": weights} if context["KEEP"] \
+            else context
+    return ProbeRMSNorm(change, "_l1" + "".join(w[0] for w in label[3:].split("/")))
 
 
 def main() -> None:
     def priorities(op, shape, stored, device):
-        contenders = {name: build(L1Priorities(name), shape, stored, device.arch) for name in PRIORITIES}
+        contenders = {name: build(l1_priorities(name), shape, stored, device.arch) for name in PRIORITIES}
         contenders["L1 last/first, carveout 0"] = dataclasses.replace(contenders["L1 last/first"], carveout=0)
         return contenders
 

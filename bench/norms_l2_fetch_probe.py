@@ -13,9 +13,9 @@ bench/norms.py's rounds, placements and peers. Writes bench/results/<gpu>/norms_
 import sys
 
 sys.path.insert(0, "bench")
+from _common import ProbeRMSNorm
 from norms import probe_contenders
 
-from mage_gen.ops.rmsnorm import RMSNorm
 from mage_gen.variants import build
 
 CASES = (("rmsnorm", True, 4096, 4096), ("rmsnorm", True, 16384, 8192), ("rmsnorm", False, 16384, 8192),
@@ -23,25 +23,15 @@ CASES = (("rmsnorm", True, 4096, 4096), ("rmsnorm", True, 16384, 8192), ("rmsnor
 FETCH_BYTES = (128, 256)
 
 
-class L2Fetch(RMSNorm):
+def l2_fetch(size: int) -> ProbeRMSNorm:
     """RMSNorm whose first read of the row asks L2 for `size` bytes a miss."""
-
-    def __init__(self, size: int):
-        super().__init__()
-        self.size = size
-
-    def context(self, shape, p):
-        context = super().context(shape, p)
-        context.update(X_HINT=f"{context['X_HINT']}@{self.size}", X_HINT_PASS1=f"{context['X_HINT_PASS1']}@{self.size}")
-        return context
-
-    def kernel_name(self, shape, p):
-        return super().kernel_name(shape, p) + f"_f{self.size}"
+    return ProbeRMSNorm(lambda context: {**context, "X_HINT": f"{context['X_HINT']}@{size}",
+                                         "X_HINT_PASS1": f"{context['X_HINT_PASS1']}@{size}"}, f"_f{size}")
 
 
 def main() -> None:
     def fetches(op, shape, stored, device):
-        return {f"L2::{size}B": build(L2Fetch(size), shape, stored, device.arch) for size in FETCH_BYTES}
+        return {f"L2::{size}B": build(l2_fetch(size), shape, stored, device.arch) for size in FETCH_BYTES}
 
     probe_contenders({"what": __doc__.split("\n\n")[0], "fetch_bytes": FETCH_BYTES}, "norms_l2_fetch_probe.json",
                      CASES, fetches)

@@ -14,27 +14,18 @@ import json
 import sys
 
 sys.path.insert(0, "bench")
-from _common import provenance, report_contenders, stored_case, write_result
+from _common import ProbeRMSNorm, provenance, report_contenders, stored_case, write_result
 from norms import bench_shape
 
-from mage_gen.ops.rmsnorm import RMSNorm
 from mage_gen.variants import build
 
 CASES = (("rmsnorm", False, 16384, 8192), ("rmsnorm", True, 4096, 4096), ("rmsnorm", False, 4096, 8192),
          ("rmsnorm", True, 32768, 4096))
 
 
-class PlainLoads(RMSNorm):
-    """RMSNorm whose keep hints load without .nc (the policy kept)."""
-
-    def context(self, shape, p):
-        context = super().context(shape, p)
-        if context["KEEP"]:
-            context.update(X_HINT_PASS1="", X_HINT_PASS2="", WB_HINT="")
-        return context
-
-    def kernel_name(self, shape, p):
-        return super().kernel_name(shape, p) + "_plainld"
+def plain_loads(context: dict) -> dict:
+    """The keep hints' loads without .nc (the policy kept)."""
+    return {**context, "X_HINT_PASS1": "", "X_HINT_PASS2": "", "WB_HINT": ""} if context["KEEP"] else context
 
 
 def main() -> None:
@@ -42,7 +33,7 @@ def main() -> None:
     for op_name, residual, m, d in CASES:
         device, op, shape, _, stored = stored_case(op_name, m, d, residual=residual)
         label = f"{op_name}{'+res' if residual else ''}:{m}x{d}"
-        plain = build(PlainLoads(), shape, stored, device.arch)
+        plain = build(ProbeRMSNorm(plain_loads, "_plainld"), shape, stored, device.arch)
         row = bench_shape(op, shape, m, stored, device, contenders={"plain loads": plain})
         doc["rows"][label] = row
         report_contenders(label, row, ["plain loads"])

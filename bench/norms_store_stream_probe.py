@@ -12,28 +12,22 @@ bench/norms.py's rounds, placements and peers. Writes bench/results/<gpu>/norms_
 import sys
 
 sys.path.insert(0, "bench")
+from _common import ProbeRMSNorm
 from norms import probe_contenders
 
-from mage_gen.ops.rmsnorm import RMSNorm
 from mage_gen.variants import build
 
 CASES = (("rmsnorm", True, 4096, 4096), ("rmsnorm", True, 16384, 8192), ("rmsnorm", False, 16384, 8192),
          ("rmsnorm", True, 32768, 4096), ("rmsnorm", False, 4096, 8192))
 
 
-class StreamingStores(RMSNorm):
-    """RMSNorm whose stores of y and residual_out are `st.global.cs`."""
-
-    def context(self, shape, p):
-        return {**super().context(shape, p), "Y_HINT": "cs"}
-
-    def kernel_name(self, shape, p):
-        return super().kernel_name(shape, p) + "_stcs"
+# y and residual_out stored `st.global.cs`
+STREAMING_STORES = ProbeRMSNorm(lambda context: {**context, "Y_HINT": "cs"}, "_stcs")
 
 
 def main() -> None:
     probe_contenders({"what": __doc__.split("\n\n")[0]}, "norms_store_stream_probe.json", CASES,
-                     lambda op, shape, stored, device: {"stores .cs": build(StreamingStores(), shape, stored,
+                     lambda op, shape, stored, device: {"stores .cs": build(STREAMING_STORES, shape, stored,
                                                                              device.arch)})
 
 
