@@ -62,6 +62,10 @@ class Census:
     l2_released: dict[str, int] = field(default_factory=dict)
     # a load's full tag ('x.pass1') -> its global loads under a cache policy (.L2::cache_hint)
     global_loads_hinted: dict[str, int] = field(default_factory=dict)
+    # Hopper's asynchronous instructions (HOPPER_OPS) -> instructions: wgmma by shape ('wgmma m64n256k16.bf16'), TMA
+    # copies by tensor ('tma load A', 'tma load B multicast', 'tma store C'), mbarrier operations, fences,
+    # setmaxnreg by count ('setmaxnreg.inc 232'), cluster barriers, stmatrix
+    hopper: dict[str, int] = field(default_factory=dict)
 
     @property
     def spill_bytes(self) -> int:
@@ -117,6 +121,42 @@ _BF16_PAIR_WIDEN = re.compile(r"// bf16x2 widened")  # half.j2's shl/and of a pa
 _HALF_NARROW = re.compile(r"\bcvt\.rn\.b?f16x2\.f32\b")
 
 
+# What the census counts of the Hopper vocabulary (templates/ptx.j2), as (key, pattern): a key may take the
+# pattern's groups ('{0}'); an inline-asm block holds several instructions on one line, so each is found anywhere.
+HOPPER_OPS = (
+    ("wgmma {0}.{1}", re.compile(r"\bwgmma\.mma_async\.sync\.aligned\.(m64n\d+k\d+)\.f32\.(\w+)\.")),
+    ("wgmma.fence", re.compile(r"\bwgmma\.fence\.sync\.aligned\b")),
+    ("wgmma.commit_group", re.compile(r"\bwgmma\.commit_group\.sync\.aligned\b")),
+    ("wgmma.wait_group {0}", re.compile(r"\bwgmma\.wait_group\.sync\.aligned\s+(\d+)")),
+    ("mbarrier.init", re.compile(r"\bmbarrier\.init\.")),
+    ("mbarrier.arrive.expect_tx", re.compile(r"\bmbarrier\.arrive\.expect_tx\.")),
+    ("mbarrier.arrive", re.compile(r"\bmbarrier\.arrive\.shared::cta\.")),
+    ("mbarrier.arrive.cluster", re.compile(r"\bmbarrier\.arrive\.release\.cluster\.shared::cluster\.")),
+    ("mbarrier.try_wait", re.compile(r"\bmbarrier\.try_wait\.")),
+    ("mapa", re.compile(r"\bmapa\.")),
+    ("tma load {0} multicast", re.compile(r"\bcp\.async\.bulk\.tensor\.\d+d\.shared::cluster\.global\S*\.multicast::cluster\S*\s.*tensor=(\w+)")),
+    ("tma load {0}", re.compile(r"\bcp\.async\.bulk\.tensor\.\d+d\.shared::cluster\.global(?![^\s]*\.multicast)\S*\s.*tensor=(\w+)")),
+    ("tma store {0}", re.compile(r"\bcp\.async\.bulk\.tensor\.\d+d\.global\.shared::cta\S*\s.*tensor=(\w+)")),
+    ("bulk.commit_group", re.compile(r"\bcp\.async\.bulk\.commit_group\b")),
+    ("bulk.wait_group", re.compile(r"\bcp\.async\.bulk\.wait_group\b")),
+    ("fence.proxy.async", re.compile(r"\bfence\.proxy\.async\b")),
+    ("fence.mbarrier_init", re.compile(r"\bfence\.mbarrier_init\b")),
+    ("setmaxnreg.{0} {1}", re.compile(r"\bsetmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)")),
+    ("cluster barrier", re.compile(r"\bbarrier\.cluster\.arrive\b")),
+    ("cluster rank", re.compile(r"%cluster_ctarank\b")),
+    ("stmatrix {0}", re.compile(r"\bstmatrix\.sync\.aligned\.m8n8\.(x[124](?:\.trans)?)\.")),
+    ("prefetch.tensormap", re.compile(r"\bprefetch\.tensormap\b")),
+    ("trap", re.compile(r"\btrap;")),
+)
+
+
+def _hopper_ops(line: str, counts: Counter) -> None:
+    for key, pattern in HOPPER_OPS:
+        for match in pattern.finditer(line):
+            groups = tuple(g or "" for g in match.groups())
+            counts[key.format(*groups) if groups else key] += 1
+
+
 def _width(parts: list[str]) -> str:
     return next((_WIDTHS[p] for p in parts if p in _WIDTHS), "scalar")
 
@@ -141,7 +181,9 @@ def take_census(compiled: Compiled) -> Census:
     policies: Counter = Counter()
     released: Counter = Counter()
     loads_hinted: Counter = Counter()
+    hopper: Counter = Counter()
     for raw in compiled.ptx.splitlines():
+        _hopper_ops(raw, hopper)
         # an inline-asm block holds several instructions on one line: conversions are counted wherever they are
         counts["half_widen"] += len(_HALF_WIDEN.findall(raw)) + 2 * len(_BF16_PAIR_WIDEN.findall(raw))
         counts["half_narrow"] += len(_HALF_NARROW.findall(raw))
@@ -201,4 +243,5 @@ def take_census(compiled: Compiled) -> Census:
         l2_prefetch=dict(sorted(prefetches.items())), l2_prefetch_hinted=dict(sorted(hinted.items())),
         cache_policies=dict(sorted(policies.items())), l2_released=dict(sorted(released.items())),
         global_loads_hinted=dict(sorted(loads_hinted.items())),
+        hopper=dict(sorted(hopper.items())),
     )

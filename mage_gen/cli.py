@@ -53,6 +53,8 @@ DTypeOpt = typer.Option(None, "--dtype", help="layernorm, rmsnorm: element type 
                                               "(default), bf16 or fp16; statistics are always fp32")
 WeightDTypeOpt = typer.Option(None, "--weight-dtype", help="layernorm, rmsnorm: element type of w and b: the "
                                                            "activations' (default) or fp32")
+PrecisionOpt = typer.Option(None, "--precision", help="matmul_tc: bf16, tf32 or fp32x3; gemm_sm90: bf16 (what A and B "
+                                                        "are and how the tensor cores take them)")
 ArchOpt = typer.Option(DEFAULT_ARCH, "--arch", help="GPU architecture to compile for, e.g. sm_90, sm_80")
 JsonOpt = typer.Option(False, "--json", help="print machine-readable JSON instead of a table")
 
@@ -178,6 +180,21 @@ def _passes_summary(c: Census) -> str:
     return " ".join(f"{t}:{len(p)}" for t, p in c.load_passes.items() if t != "?") or "–"
 
 
+# inspect's rows of the Hopper instructions the census counts, by the first word of their keys
+_HOPPER_ROWS = {"wgmma": "wgmma", "tma": "TMA copies", "mbarrier": "mbarrier", "bulk.commit_group": "bulk groups",
+                "bulk.wait_group": "bulk groups", "fence.proxy.async": "fences", "fence.mbarrier_init": "fences",
+                "setmaxnreg.inc": "setmaxnreg", "setmaxnreg.dec": "setmaxnreg", "cluster": "cluster", "mapa": "cluster",
+                "stmatrix": "stmatrix", "prefetch.tensormap": "tensor maps", "trap": "watchdog traps"}
+
+
+def _hopper_rows(c: Census) -> list[tuple[str, str]]:
+    rows: dict[str, list[str]] = {}
+    for key, count in c.hopper.items():
+        label = next(row for prefix, row in _HOPPER_ROWS.items() if key.startswith(prefix))
+        rows.setdefault(label, []).append(f"{key}: {count}")
+    return [(label, ", ".join(items)) for label, items in rows.items()]
+
+
 def _widths(table: dict[str, dict[str, int]], tensor: str) -> str:
     counts: dict[str, int] = {}
     for tag, widths in table.items():
@@ -197,13 +214,15 @@ def inspect(
     config: list[str] = typer.Option([], help="other parameters as KEY=VALUE[,KEY=VALUE] (residual=true: the "
                                               "fused residual form of a norm)"),
     dtype: Optional[str] = DTypeOpt, weight_dtype: Optional[str] = WeightDTypeOpt,
+    precision: Optional[str] = PrecisionOpt,
     arch: str = ArchOpt, as_json: bool = JsonOpt,
     show_source: bool = typer.Option(False, "--source", help="also print the generated CUDA source"),
 ) -> None:
     """Render, compile and count one variant: registers, shared memory, loads, stores, barriers."""
     op = get_op(op_name)
     shape_config, values = _split_config(op, config)
-    shape, run = _problem(op, shape_config, d=d, m=m, n=n, k=k, dtype=dtype, weight_dtype=weight_dtype)
+    shape, run = _problem(op, shape_config, d=d, m=m, n=n, k=k, dtype=dtype, weight_dtype=weight_dtype,
+                          precision=precision)
     check_op_arch(op, arch, shape)
     flags = {k: v for k, v in dict(template=template, threads=threads, vector=vector).items() if v is not None}
     both = sorted(key for key in flags if key in values and values[key] != flags[key])
@@ -247,6 +266,7 @@ def inspect(
         rows += [("mma.sync (shape.type: n)", ", ".join(f"{k}: {n}" for k, n in c.mma.items()) or "–"),
                  ("ldmatrix (x: n)", ", ".join(f"{k}: {n}" for k, n in c.ldmatrix.items()) or "–"),
                  ("cvt.rna.tf32", str(c.tf32_round))]
+    rows += _hopper_rows(c)
     for key, value in rows:
         table.add_row(key, value)
     out.print(table)
@@ -258,6 +278,7 @@ def variants(
     k: Optional[int] = KOpt,
     preset: Optional[str] = typer.Option(None, help=f"search-space preset of search/<op>.toml ({_PRESETS})"),
     dtype: Optional[str] = DTypeOpt, weight_dtype: Optional[str] = WeightDTypeOpt,
+    precision: Optional[str] = PrecisionOpt,
     config: list[str] = typer.Option([], help="the shape's other fields, e.g. residual=true"),
     arch: str = ArchOpt, as_json: bool = JsonOpt,
     sms: Optional[int] = typer.Option(None, "--sms", min=1, help="SMs of the GPU a grid given per SM in the space "
@@ -267,7 +288,7 @@ def variants(
     """Compile every valid variant of a preset and list each with its census."""
     op = get_op(op_name)
     shape, run = _problem(op, _shape_only_config(op, config), d=d, m=m, n=n, k=k, dtype=dtype,
-                          weight_dtype=weight_dtype)
+                          weight_dtype=weight_dtype, precision=precision)
     check_op_arch(op, arch, shape)
     left_out = ""
     space = load_space(op, preset, shape, sms=sms)
@@ -358,12 +379,14 @@ def emit_command(
                                       help="the GPU whose tuned/ winner to emit (default: this machine's)"),
     force: bool = typer.Option(False, "--force", help="replace files in --out that hold another kernel"),
     dtype: Optional[str] = DTypeOpt, weight_dtype: Optional[str] = WeightDTypeOpt,
+    precision: Optional[str] = PrecisionOpt,
 ) -> None:
     """Write a kernel as standalone .cu, .ptx, .cubin, .launch.json and .h: the tuned winner of each size
     class (of the one that serves --m, where given), or --config."""
     op = get_op(op_name)
     shape_config, values = _split_config(op, config)
-    shape, run = _problem(op, shape_config, d=d, m=m, n=n, k=k, dtype=dtype, weight_dtype=weight_dtype)
+    shape, run = _problem(op, shape_config, d=d, m=m, n=n, k=k, dtype=dtype, weight_dtype=weight_dtype,
+                          precision=precision)
     check_op_arch(op, arch, shape)
     if values:
         paths = emit(op, shape, op.params_from_user({**op.defaults(shape), **values}), arch, out_dir,
@@ -511,6 +534,7 @@ def tune_command(
                                                             "postgresql://USER@HOST/DB); the finalists are "
                                                             "re-timed on the first"),
     dtype: Optional[str] = DTypeOpt, weight_dtype: Optional[str] = WeightDTypeOpt,
+    precision: Optional[str] = PrecisionOpt,
     config: list[str] = typer.Option([], help="the shape's other fields, e.g. residual=true"),
 ) -> None:
     """Search the space on this GPU (or several), one study per size class: gate every variant, time the ones
@@ -521,7 +545,7 @@ def tune_command(
     sizes = _parse_sizes(op, m) if m is not None else None
     shape, default_run = _problem(op, _shape_only_config(op, config), d=d,
                                   m=sizes[0] if sizes and "m" in op.shape_dims else None, n=n, k=k, dtype=dtype,
-                                  weight_dtype=weight_dtype)
+                                  weight_dtype=weight_dtype, precision=precision)
     if objective not in OBJECTIVES:
         raise MageError(f"objective: use {', '.join(OBJECTIVES)}, got {objective!r}")
     if study and isinstance(sizes, list) and len(sizes) > 1:
@@ -673,6 +697,7 @@ def report_command(
                                                       "at); default: the shape's only study"),
     n: Optional[int] = NOpt, k: Optional[int] = KOpt,
     dtype: Optional[str] = DTypeOpt, weight_dtype: Optional[str] = WeightDTypeOpt,
+    precision: Optional[str] = PrecisionOpt,
     config: list[str] = typer.Option([], help="the shape's other fields, e.g. residual=true"),
     storage: Optional[str] = typer.Option(None, help="Optuna storage URL of the tune (default: SQLite in the "
                                                      "user data folder)"),
@@ -689,7 +714,7 @@ def report_command(
 
     op = get_op(op_name)
     shape, _ = _problem(op, _shape_only_config(op, config), d=d, m=m if "m" in op.shape_dims else None, n=n, k=k,
-                        dtype=dtype, weight_dtype=weight_dtype)
+                        dtype=dtype, weight_dtype=weight_dtype, precision=precision)
     run = {"m": m} if m is not None and "m" in op.run_dims else None
     storage = storage or default_storage()
     names = [study] if study else report.find_studies(storage, op, shape, run)

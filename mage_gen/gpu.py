@@ -123,6 +123,18 @@ class Kernel:
             self.module = None
 
 
+def max_active_clusters(kernel: Kernel, block: tuple[int, int, int], shared: int, cluster: int) -> int:
+    """How many clusters of `cluster` CTAs of this kernel (its cluster shape compiled in) the device runs at once: a
+    persistent grid of more waits for a second wave. The driver's answer: which SMs a GPC can pair decides it."""
+    config = cu.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = cluster, 1, 1
+    config.blockDimX, config.blockDimY, config.blockDimZ = block
+    config.sharedMemBytes = shared
+    config.numAttrs = 0
+    return int(_check(cu.cuOccupancyMaxActiveClusters(kernel.function, config),
+                      f"cuOccupancyMaxActiveClusters({kernel.name})"))
+
+
 class FixedLaunch:
     """One kernel at a fixed grid, block and shared memory, launched with new argument values each time at
     the least cost Python allows: the values are packed into one reused buffer and libcuda's cuLaunchKernel is
@@ -166,19 +178,54 @@ def _driver_launch() -> Any:
     return function
 
 
+TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap), 64-byte aligned
+
+
 class KernelArgs:
-    """Kernel parameters as the driver wants them: an array of pointers to each argument's value."""
+    """Kernel parameters as the driver wants them: an array of pointers to each argument's value. A 'tmap' value is
+    the bytes of an encoded tensor map (tensor_map), which the kernel takes by value (__grid_constant__)."""
 
     _CTYPES = {"ptr": ctypes.c_uint64, "i32": ctypes.c_int32, "i64": ctypes.c_int64, "f32": ctypes.c_float}
 
-    def __init__(self, values: list[tuple[str, int | float]]):
-        self._values = [self._CTYPES[kind](value) for kind, value in values]  # kept alive with the array
-        self._array = (ctypes.c_void_p * max(len(self._values), 1))(
-            *[ctypes.addressof(v) for v in self._values])
+    def __init__(self, values: list[tuple[str, Any]]):
+        self._values: list[Any] = []  # kept alive with the array
+        addresses = []
+        for kind, value in values:
+            if kind == "tmap":
+                held = ctypes.create_string_buffer(TENSOR_MAP_BYTES + 64)
+                address = -(-ctypes.addressof(held) // 64) * 64  # the map's own alignment
+                ctypes.memmove(address, value, TENSOR_MAP_BYTES)
+            else:
+                held = self._CTYPES[kind](value)
+                address = ctypes.addressof(held)
+            self._values.append(held)
+            addresses.append(address)
+        self._array = (ctypes.c_void_p * max(len(addresses), 1))(*addresses)
 
     @property
     def address(self) -> int:
         return ctypes.addressof(self._array)
+
+
+_TENSOR_MAP_TYPES = {"bfloat16": "BFLOAT16", "float16": "FLOAT16", "float32": "FLOAT32", "uint8": "UINT8"}
+_SWIZZLES = {0: "NONE", 32: "32B", 64: "64B", 128: "128B"}
+_L2_PROMOTIONS = {0: "NONE", 64: "L2_64B", 128: "L2_128B", 256: "L2_256B"}
+
+
+def tensor_map(address: int, spec: Any) -> bytes:
+    """The CUtensorMap the driver encodes for a tensor at device `address` as `spec` (ops.base.TensorMapSpec: element
+    type, sizes and box innermost first, byte strides, swizzle, L2 promotion) describes it, as the bytes a kernel
+    parameter takes. Out-of-bounds elements of a box read as zeros."""
+    rank = len(spec.dims)
+    data_type = getattr(cu.CUtensorMapDataType, f"CU_TENSOR_MAP_DATA_TYPE_{_TENSOR_MAP_TYPES[spec.dtype]}")
+    encoded = _check(cu.cuTensorMapEncodeTiled(
+        data_type, rank, address, [cu.cuuint64_t(d) for d in spec.dims], [cu.cuuint64_t(s) for s in spec.strides],
+        [cu.cuuint32_t(b) for b in spec.box], [cu.cuuint32_t(1)] * rank,
+        cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        getattr(cu.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{_SWIZZLES[spec.swizzle]}"),
+        getattr(cu.CUtensorMapL2promotion, f"CU_TENSOR_MAP_L2_PROMOTION_{_L2_PROMOTIONS[spec.l2_promotion]}"),
+        cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), f"cuTensorMapEncodeTiled({spec.tensor})")
+    return ctypes.string_at(encoded.getPtr(), TENSOR_MAP_BYTES)
 
 
 class Stream:

@@ -58,6 +58,13 @@ class GateResult:
                 "errors": dict(self.errors)}
 
 
+def tensor_maps(op: Op, shape: Any, params: Any) -> dict[str, Any]:
+    """The TMA tensor maps an op's kernel takes after its pointers (ops.base.TensorMapSpec by parameter name); most
+    ops take none."""
+    maps = getattr(op, "tensor_maps", None)
+    return maps(shape, params) if maps is not None else {}
+
+
 def relative_error(out: np.ndarray, ref: np.ndarray) -> float:
     """‖out − ref‖ / ‖ref‖, out in any element type's storage (dtypes: uint16 holds bf16)."""
     denom = float(np.linalg.norm(ref))
@@ -114,13 +121,15 @@ class Bound:
             scalars = op.scalars(shape, run)
             values: list[tuple[str, int | float]] = []
             outputs = self.output_pointers()
+            pointers = {**{name: buf.ptr for name, buf in self.buffers.items()}, **outputs}
             for arg in op.args(shape):
-                if arg.kind == "out":
-                    values.append(("ptr", outputs[arg.name]))
-                elif arg.kind == "in":
-                    values.append(("ptr", self.buffers[arg.name].ptr))
+                if arg.kind in ("out", "in"):
+                    values.append(("ptr", pointers[arg.name]))
                 else:
                     values.append((arg.kind, scalars[arg.name]))
+            # TMA tensor maps, after the pointers: each encoded over the buffer of the tensor it maps
+            for spec in tensor_maps(op, shape, params).values():
+                values.append(("tmap", gpu.tensor_map(pointers[spec.tensor], spec)))
             self.args = gpu.KernelArgs(values)
         except Exception:
             self.free()

@@ -102,6 +102,32 @@ if triton is not None:
             b += BLOCK_K * N
         tl.store(C + rows[:, None] * N + cols[None, :], acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
 
+    @triton.jit
+    def _triton_matmul_nt(A, B, C, M, N, K, LD, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+        # C = A·Bᵀ, A M×K and B N×K with rows LD elements apart, C M×N contiguous (its element type C's); fp32
+        # sums; tiles GROUP_M tile rows at a time, as _triton_matmul
+        pid = tl.program_id(0)
+        per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+        first = (pid // per_group) * GROUP_M
+        group_rows = tl.minimum(tl.cdiv(M, BLOCK_M) - first, GROUP_M)
+        within = pid % per_group
+        rows = (first + within % group_rows) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = (within // group_rows) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        a = A + rows[:, None] * LD + ks[None, :]
+        b = B + cols[None, :] * LD + ks[:, None]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_in = ks < K - k0
+            a_tile = tl.load(a, mask=(rows[:, None] < M) & k_in[None, :], other=0.0)
+            b_tile = tl.load(b, mask=k_in[:, None] & (cols[None, :] < N), other=0.0)
+            acc = tl.dot(a_tile, b_tile, acc)
+            a += BLOCK_K
+            b += BLOCK_K
+        tl.store(C + rows[:, None] * N + cols[None, :], acc.to(C.dtype.element_ty),
+                 mask=(rows[:, None] < M) & (cols[None, :] < N))
+
 
 class TorchSubject:
     """A callable that enqueues work on torch's current stream, timed like a generated kernel."""
@@ -375,6 +401,52 @@ def _matmul_tc_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float,
     return candidates
 
 
+# Triton's Hopper tiles for bf16 (wgmma): (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), after Triton's own
+# matmul tutorial's sm_90 configs
+TRITON_SM90_CONFIGS = ((128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 64, 8, 4), (256, 128, 64, 8, 3),
+                       (128, 256, 64, 8, 4), (64, 256, 64, 4, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4))
+
+
+def _gemm_sm90_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float, inductor: bool,
+                          tensor_of: Callable[[str, DType], Any], output_of: _Outputs) -> dict[str, list[TorchSubject]]:
+    """cuBLAS through torch (C = A·Bᵀ as F.linear computes it: bf16 A and B, fp32 sums, C in C's type) and Triton's
+    tl.dot over its Hopper tiles, each reading the same A and B (rows of lda elements) and writing C's type."""
+    a_rows, b_rows = (tensor_of(name, BFLOAT16) for name in ("A", "B"))
+    a, b = a_rows[:, :shape.k], b_rows[:, :shape.k]
+    out_type = torch.bfloat16 if shape.c_dtype == "bf16" else torch.float32
+
+    def cublas_run(c):
+        def go():
+            if out_type == torch.bfloat16:
+                torch.matmul(a, b.t(), out=c)
+            else:
+                torch.mm(a, b.t(), torch.float32, out=c)
+            return c
+        return go
+
+    candidates = {"cublas": [TorchSubject("cublas", cublas_run(output_of("C", (shape.m, shape.n), out_type)),
+                                          {"fn": "torch.matmul(A, B.t())" if out_type == torch.bfloat16
+                                                 else "torch.mm(A, B.t(), torch.float32)"})]}
+    if triton is not None:
+        def triton_run(c, bm, bn, bk, warps, stages):
+            grid = (triton.cdiv(shape.m, bm) * triton.cdiv(shape.n, bn),)
+
+            def go():
+                _triton_matmul_nt[grid](a_rows, b_rows, c, shape.m, shape.n, shape.k, a_rows.stride(0), BLOCK_M=bm,
+                                        BLOCK_N=bn, BLOCK_K=bk, GROUP_M=TRITON_GROUP_M, num_warps=warps,
+                                        num_stages=stages)
+                return c
+            return go
+
+        candidates["triton"] = [
+            TorchSubject(f"triton/{bm}x{bn}x{bk}w{warps}s{stages}",
+                         triton_run(output_of("C", (shape.m, shape.n), out_type), bm, bn, bk, warps, stages),
+                         {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": TRITON_GROUP_M,
+                          "num_warps": warps, "num_stages": stages})
+            for bm, bn, bk, warps, stages in TRITON_SM90_CONFIGS]
+    return candidates
+
+
 class _Outputs:
     """Where a peer handed its output writes it: the caller's memory (make_peers' device_outputs, the very
     output a kernel in the same bench writes, so that both are timed writing the same memory) where the name,
@@ -401,7 +473,7 @@ class _Outputs:
 
 
 _CANDIDATES = {"layernorm": _layernorm_candidates, "rmsnorm": _rmsnorm_candidates, "matmul": _matmul_candidates,
-               "matmul_tc": _matmul_tc_candidates}
+               "matmul_tc": _matmul_tc_candidates, "gemm_sm90": _gemm_sm90_candidates}
 
 
 def make_peers(op: Op, shape: Any, run: dict[str, int], inputs: dict[str, np.ndarray],

@@ -94,6 +94,15 @@ def _mma_shape(dtype: str) -> str:
     return _MMA_SHAPES[dtype]
 
 
+def _wgmma_shape(accumulators: int, dtype: str) -> str:
+    """m64nNk16 of a wgmma whose thread holds `accumulators` floats (N/2): N a multiple of 8 up to 256."""
+    n = 2 * accumulators
+    if dtype not in _MMA_SHAPES or dtype == "tf32" or n % 8 or not 8 <= n <= 256:
+        raise jinja2.TemplateRuntimeError(f"wgmma m64nNk16 takes 16-bit inputs and N a multiple of 8 in 8..256 (4..128 "
+                                          f"accumulators a thread), got {dtype!r} and {accumulators}")
+    return f"m64n{n}k16"
+
+
 def _ptx_tag(tag: str) -> str:
     return f" // tensor={tag}" if tag else ""
 
@@ -190,6 +199,7 @@ def environment() -> jinja2.Environment:
         braced=_braced,
         inouts=_inouts,
         mma_shape=_mma_shape,
+        wgmma_shape=_wgmma_shape,
         cache_policy_operand=_cache_policy_operand,
         cache_policy_input=_cache_policy_input,
         ld_hint=_load_hint,

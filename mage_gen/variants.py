@@ -41,10 +41,17 @@ def check_op_arch(op: Op, arch: str, shape: Any = None, params: Any = None) -> s
     return arch
 
 
+def target_arch(op: Op, arch: str) -> str:
+    """What NVRTC builds the op's kernels for: the arch asked for, or where an op uses instructions of an
+    arch-specific target (wgmma: sm_90a), the one its `target_arch` names."""
+    target = getattr(op, "target_arch", None)
+    return target(arch) if target is not None else arch
+
+
 def build(op: Op, shape: Any, params: Any, arch: str) -> Variant:
     check_op_arch(op, arch, shape, params)
     source = op.source(shape, params)  # validates first: a rejected config never reaches NVRTC
-    compiled = compile_source(source, arch)
+    compiled = compile_source(source, target_arch(op, arch))
     return Variant(params=params, source=source, compiled=compiled, census=take_census(compiled))
 
 

@@ -122,8 +122,8 @@ def test_help_names_the_ops_and_every_preset_and_tags_no_flag_with_a_type():
     done = mage_gen("variants", "--help")
     text = " ".join(done.stdout.split())
     assert done.returncode == 0
-    assert "op family: layernorm, matmul" in text
-    assert "layernorm: quick, short, long, full; matmul: quick, explore, wide, full" in text
+    assert "op family: gemm_sm90, layernorm, matmul" in text
+    assert "gemm_sm90: quick, full; layernorm: quick, short, long, full; matmul: quick, explore, wide, full" in text
     assert "--json <bool>" not in text and "--json" in text
 
 

@@ -1,10 +1,10 @@
 """The op families mage-gen can generate, by name."""
 
 from mage_gen.errors import ConfigError
-from mage_gen.ops import layernorm, matmul, matmul_tc, rmsnorm
+from mage_gen.ops import gemm_sm90, layernorm, matmul, matmul_tc, rmsnorm
 from mage_gen.ops.base import Arg, Launch, Op
 
-OPS: dict[str, Op] = {op.name: op for op in (layernorm.OP, rmsnorm.OP, matmul.OP, matmul_tc.OP)}
+OPS: dict[str, Op] = {op.name: op for op in (layernorm.OP, rmsnorm.OP, matmul.OP, matmul_tc.OP, gemm_sm90.OP)}
 
 
 def get_op(name: str) -> Op:

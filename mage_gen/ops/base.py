@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, Protocol
 
@@ -110,6 +111,43 @@ class TiledProduct:
 
     def scalars(self, shape: Any, run: dict[str, int]) -> dict[str, int | float]:
         return {}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One validation rule as data: `holds(*subject)` is true where the subject (a shape, or a shape and params)
+    keeps it; otherwise the error is `name: message(*subject)`."""
+
+    name: str
+    holds: Callable[..., bool]
+    message: Callable[..., str]
+
+
+def check_rules(rules: tuple[Rule, ...], *subject: Any) -> None:
+    """Raises ConfigError naming the first rule the subject breaks."""
+    for rule in rules:
+        if not rule.holds(*subject):
+            raise ConfigError(f"{rule.name}: {rule.message(*subject)}")
+
+
+@dataclass(frozen=True)
+class TensorMapSpec:
+    """A TMA tensor map a kernel takes, as data: the tensor argument whose memory it maps, its element type
+    (torch's name), its sizes in elements (innermost first), the byte stride of each dimension but the innermost,
+    the box one copy moves (elements, innermost first), the shared-memory swizzle (bytes: 0, 32, 64 or 128) and
+    how far L2 promotes a fetch (bytes: 0, 64, 128 or 256). gpu.tensor_map encodes it; an emitted header builds
+    the same with cuTensorMapEncodeTiled."""
+
+    tensor: str
+    dtype: str
+    dims: tuple[int, ...]
+    strides: tuple[int, ...]
+    box: tuple[int, ...]
+    swizzle: int
+    l2_promotion: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(self).items()}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,387 @@
+"""Matrix product on Hopper's tensor cores: wgmma fed by TMA under mbarriers, warp-specialized and persistent.
+
+C = A·Bᵀ with A M×K and B N×K (an nn.Linear weight: both operands K-major), bf16 in, fp32 accumulation, C bf16
+or fp32, row-major. M, N and K are fixed when the kernel is generated. Rows of A and B are read by TMA, which
+needs each row to start on 16 bytes: a K that is not a multiple of 8 is taken with rows padded to the next
+multiple (the tensors' row stride, `lda`, says so), and past K, M and N a copy brings zeros, so tails cost
+nothing but the guards of C's stores.
+
+One template, `ws` (templates/gemm_sm90/ws.cu.j2): a persistent grid of at most `grid` CTAs (the search space
+gives one per SM), each of 1 + `consumers` warpgroups. The producer's one thread copies BK = 64-element (128-byte)
+slices of K of a BM×BN tile into `stages` shared-memory stages; the consumers multiply them with wgmma (each
+BM/consumers rows, as m64 slabs, N = BN) and store C from registers (`epilogue` direct) or through shared memory
+and a TMA store (tma). `producer_regs` moves registers from the producer warpgroup to the consumers
+(setmaxnreg); `inflight` 1 keeps one stage's wgmma group running while the next is issued.
+
+The gate's tolerance: products of bf16 are exact in fp32, so the error is the fp32 accumulation over K (at most
+about K·2⁻²⁴ relative, far less in norm) and, for a bf16 C, one rounding to bf16 (its unit roundoff 2⁻⁸ bounds
+the relative norm): 2⁻²⁴·K + 1e-6, plus 2⁻⁸ where C is bf16.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mage_gen.dtypes import BFLOAT16, FLOAT32, DType
+from mage_gen.errors import ConfigError
+from mage_gen.ops.base import (Arg, Launch, Rule, TensorMapSpec, check_rules, params_dict, params_from,
+                               public_params_from)
+from mage_gen.render import Source, render
+
+PRECISIONS = ("bf16",)
+OUTPUTS = {"bf16": BFLOAT16, "fp32": FLOAT32}
+B_LAYOUTS = ("nk",)  # B as N×K row-major
+MAX_DIM = 1 << 20
+BK = 64  # elements of K per stage: one 128-byte row of each operand's tile, the 128-byte swizzle's span
+KSTEP = 16  # K of one wgmma
+SWIZZLE = 128
+SBO = 8 * 128  # bytes between 8-row groups of a 128-byte-swizzled tile
+MAX_SHARED_BYTES = 227 * 1024  # the opt-in limit per block on sm_90
+REGISTER_FILE = 65536  # 32-bit registers of an SM (sm_90)
+ORDERS = ("row", "grouped", "hilbert")
+CLUSTERS = (1, 2)
+MAX_ORDER_TABLE = 16384  # tiles a Hilbert order's table may list (4 bytes each, in constant memory)
+EPILOGUES = ("direct", "tma")
+# test-only bugs the gate must catch: the descriptors' swizzle differs from the tensor maps', the stride byte
+# offset is half what it is, the producer waits for a phase a fresh barrier has not completed (a hang), the TMA
+# store reads the staging tile without the proxy fence after the threads wrote it
+PLANTED_BUGS = ("", "swizzle", "sbo", "phase", "proxy_fence")
+_HIDDEN = frozenset({"plant", "watchdog_ms"})
+# A wait on an mbarrier that outlasts this traps: a launch that would hang fails instead
+WATCHDOG_MS = 4000
+
+
+def padded(elements: int, dtype: DType) -> int:
+    """A row of `elements` rounded up to a whole 16 bytes, as TMA needs each row to start."""
+    per = 16 // dtype.itemsize
+    return -(-elements // per) * per
+
+
+@dataclass(frozen=True)
+class Shape:
+    m: int
+    n: int
+    k: int
+    precision: str = "bf16"
+    c_dtype: str = "bf16"  # C's element type
+    b_layout: str = "nk"
+
+    @property
+    def lda(self) -> int:
+        """Elements from one row of A (and of B) to the next."""
+        return padded(self.k, BFLOAT16)
+
+
+@dataclass(frozen=True)
+class Params:
+    bm: int = 128
+    bn: int = 128
+    stages: int = 4
+    consumers: int = 2
+    cluster: int = 1  # CTAs of a cluster: 2 take two tiles of one column, each copying half the B tile into both
+    order: str = "grouped"  # how a CTA's (cluster's) turns walk the tiles: by rows, by super-rows, on a Hilbert curve
+    group: int = 8  # tile rows of a super-row (order grouped)
+    producer_regs: int = 40  # registers per thread the producer keeps (setmaxnreg); 0: no redistribution
+    inflight: int = 1  # wgmma groups left running while the next stage's are issued: 0 or 1
+    epilogue: str = "direct"
+    grid: int = 0  # CTAs of the persistent grid, at most one per tile; 0: one per tile
+    plant: str = ""  # a deliberate bug, for the tests of the gate only
+    watchdog_ms: int = WATCHDOG_MS
+
+    @property
+    def threads(self) -> int:
+        return 128 * (1 + self.consumers)
+
+    def label(self) -> str:
+        return (f"{self.bm}x{self.bn} s{self.stages} c{self.consumers}" + (f" x{self.cluster}" if self.cluster > 1 else "")
+                + f" {self.order}"
+                + (f"{self.group}" if self.order == "grouped" else "") + f" r{self.producer_regs} f{self.inflight}"
+                f" {self.epilogue}" + (f" grid≤{self.grid}" if self.grid else "") + (f" PLANTED {self.plant}" if self.plant else ""))
+
+
+def _tiles(shape: Shape, p: Params) -> tuple[int, int]:
+    return -(-shape.m // p.bm), -(-shape.n // p.bn)
+
+
+def _units(shape: Shape, p: Params) -> tuple[int, int]:
+    """What a CTA (a cluster) takes in turn: a tile, or a cluster's column of `cluster` tiles."""
+    tiles_m, tiles_n = _tiles(shape, p)
+    return -(-tiles_m // p.cluster), tiles_n
+
+
+def hilbert_order(rows: int, cols: int) -> list[tuple[int, int]]:
+    """Every (row, col) of a rows×cols grid, in the order a Hilbert curve over the smallest power-of-two square
+    that covers the grid visits them: consecutive cells are neighbours wherever the curve stays inside the grid."""
+    side = 1
+    while side < max(rows, cols):
+        side *= 2
+    cells = []
+    for d in range(side * side):
+        x = y = 0
+        t, s = d, 1
+        while s < side:  # the curve's index d to its cell, one quadrant level at a time
+            rx = 1 & (t // 2)
+            ry = 1 & (t ^ rx)
+            if ry == 0:
+                if rx == 1:
+                    x, y = s - 1 - x, s - 1 - y
+                x, y = y, x
+            x += s * rx
+            y += s * ry
+            t //= 4
+            s *= 2
+        if y < rows and x < cols:
+            cells.append((y, x))
+    return cells
+
+
+def _accumulators(p: Params) -> int:
+    """Floats of C a consumer thread holds: BN/2 for each 64-row slab of its rows."""
+    return p.bm // p.consumers // 64 * p.bn // 2
+
+
+def consumer_regs(p: Params) -> int:
+    """What setmaxnreg gives each consumer thread: the register file less the producer's, in steps of 8."""
+    return min(256, (REGISTER_FILE // 128 - p.producer_regs) // p.consumers // 8 * 8)
+
+
+def _shared_bytes(shape: Shape, p: Params) -> int:
+    out = OUTPUTS[shape.c_dtype]
+    staging = p.bm * p.bn * out.itemsize if p.epilogue == "tma" else 0
+    return 1024 + p.stages * (p.bm + p.bn) * BK * 2 + staging + 2 * 8 * p.stages  # 1024: room to align the tiles
+
+
+_SHAPE_RULES = (
+    Rule("precision", lambda s: s.precision in PRECISIONS, lambda s: f"precision is one of {PRECISIONS}, got {s.precision!r}"),
+    Rule("c-dtype", lambda s: s.c_dtype in OUTPUTS, lambda s: f"c_dtype (C's element type) is one of {tuple(OUTPUTS)}, got {s.c_dtype!r}"),
+    Rule("b-layout", lambda s: s.b_layout in B_LAYOUTS,
+         lambda s: f"b_layout is one of {B_LAYOUTS} (B as N×K, an nn.Linear weight), got {s.b_layout!r}"),
+)
+
+
+def _register_room(s: Shape, p: Params) -> bool:
+    budget = consumer_regs(p) if p.producer_regs else REGISTER_FILE // p.threads // 8 * 8
+    return _accumulators(p) + 40 <= min(budget, 255)
+
+
+_RULES: tuple[Rule, ...] = (
+    Rule("tile", lambda s, p: p.bm in (64, 128, 256), lambda s, p: f"bm is 64, 128 or 256 rows, got {p.bm}"),
+    Rule("tile", lambda s, p: p.bn % 16 == 0 and 16 <= p.bn <= 256,
+         lambda s, p: f"bn is a multiple of 16 in 16..256 (a wgmma's N), got {p.bn}"),
+    Rule("consumers", lambda s, p: p.consumers in (1, 2), lambda s, p: f"consumers is 1 or 2 warpgroups, got {p.consumers}"),
+    Rule("consumers", lambda s, p: p.bm % (64 * p.consumers) == 0,
+         lambda s, p: f"{p.consumers} consumers split bm={p.bm} rows into m64 slabs: bm must be a multiple of "
+                      f"{64 * p.consumers}"),
+    Rule("stages", lambda s, p: 2 <= p.stages <= 8, lambda s, p: f"stages is 2..8, got {p.stages}"),
+    Rule("order", lambda s, p: p.order in ORDERS, lambda s, p: f"order is one of {ORDERS}, got {p.order!r}"),
+    Rule("order", lambda s, p: p.group >= 1, lambda s, p: f"group is a positive number of tile rows, got {p.group}"),
+    Rule("order", lambda s, p: p.order != "hilbert" or np.prod(_units(s, p)) <= MAX_ORDER_TABLE,
+         lambda s, p: f"a Hilbert order lists its {int(np.prod(_units(s, p)))} tiles in constant memory, at most "
+                      f"{MAX_ORDER_TABLE}; use order grouped"),
+    Rule("cluster", lambda s, p: p.cluster in CLUSTERS, lambda s, p: f"cluster is one of {CLUSTERS} CTAs, got {p.cluster}"),
+    Rule("registers", lambda s, p: p.producer_regs == 0 or (p.producer_regs % 8 == 0 and 24 <= p.producer_regs <= 256),
+         lambda s, p: f"producer_regs is 0 (no setmaxnreg) or a multiple of 8 in 24..256, got {p.producer_regs}"),
+    Rule("registers", _register_room,
+         lambda s, p: f"{_accumulators(p)} accumulators a consumer thread, and about 40 registers more, exceed the "
+                      f"{consumer_regs(p) if p.producer_regs else REGISTER_FILE // p.threads // 8 * 8} it gets; use a "
+                      "smaller tile or more consumers"),
+    Rule("inflight", lambda s, p: p.inflight in (0, 1), lambda s, p: f"inflight is 0 or 1 wgmma groups, got {p.inflight}"),
+    Rule("epilogue", lambda s, p: p.epilogue in EPILOGUES, lambda s, p: f"epilogue is one of {EPILOGUES}, got {p.epilogue!r}"),
+    Rule("epilogue", lambda s, p: p.epilogue != "tma" or (s.n * OUTPUTS[s.c_dtype].itemsize) % 16 == 0,
+         lambda s, p: f"a TMA store needs rows of C on 16 bytes: N={s.n} {s.c_dtype} elements are "
+                      f"{s.n * OUTPUTS[s.c_dtype].itemsize} bytes; use epilogue direct"),
+    Rule("epilogue", lambda s, p: p.epilogue != "tma" or (p.bn * OUTPUTS[s.c_dtype].itemsize) % 128 == 0,
+         lambda s, p: f"the TMA store writes C in boxes of 128 bytes of a row: bn={p.bn} {s.c_dtype} elements must be "
+                      f"a multiple of {128 // OUTPUTS[s.c_dtype].itemsize}; use epilogue direct"),
+    Rule("grid", lambda s, p: p.grid >= 0, lambda s, p: f"grid is a number of CTAs (0: one per tile), got {p.grid}"),
+    Rule("shared-memory", lambda s, p: _shared_bytes(s, p) <= MAX_SHARED_BYTES,
+         lambda s, p: f"{p.stages} stages of {p.bm}×{BK} and {p.bn}×{BK}"
+                      + (" and the C staging tile" if p.epilogue == "tma" else "")
+                      + f" need {_shared_bytes(s, p)} bytes, over the {MAX_SHARED_BYTES} a block can have; use fewer "
+                        "stages or a smaller tile"),
+    Rule("plant", lambda s, p: p.plant in PLANTED_BUGS, lambda s, p: f"unknown planted bug {p.plant!r}"),
+    Rule("plant", lambda s, p: p.plant != "proxy_fence" or p.epilogue == "tma",
+         lambda s, p: "the proxy fence belongs to the TMA store: plant proxy_fence with epilogue tma"),
+    Rule("watchdog", lambda s, p: p.watchdog_ms >= 1, lambda s, p: f"watchdog_ms is positive, got {p.watchdog_ms}"),
+)
+
+
+class GemmSm90:
+    name = "gemm_sm90"
+    tolerance = 1e-6
+    params_type = Params
+    shape_dims = ("m", "n", "k")
+    run_dims: tuple[str, ...] = ()
+    run_defaults: dict[str, int] = {}
+    shape_options = ("precision", "c_dtype", "b_layout")
+    min_arch = 90
+
+    def shape(self, m: int, n: int, k: int, precision: str = "bf16", c_dtype: str = "bf16", b_layout: str = "nk") -> Shape:
+        for name, value in (("m", m), ("n", n), ("k", k)):
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_DIM:
+                raise ConfigError(f"{name}-range: {name} must be a whole number in 1..{MAX_DIM}, got {value!r}; "
+                                  f"give it as --{name}")
+        shape = Shape(m, n, k, precision, c_dtype, b_layout)
+        check_rules(_SHAPE_RULES, shape)
+        return shape
+
+    def min_arch_of(self, shape: Shape, params: Params | None = None) -> int:
+        return self.min_arch
+
+    def target_arch(self, arch: str) -> str:
+        """wgmma and setmaxnreg exist on sm_90a alone: the code is built for it, and runs on sm_90 GPUs only."""
+        if arch.rstrip("a") != "sm_90":
+            raise ConfigError(f"arch: {self.name} is built of wgmma, which only sm_90a (Hopper) has; got {arch}; use "
+                              "--arch sm_90")
+        return "sm_90a"
+
+    def params_from_dict(self, values: dict[str, Any]) -> Params:
+        return params_from(Params, self.name, values, hidden=_HIDDEN)
+
+    def params_from_user(self, values: dict[str, Any]) -> Params:
+        return public_params_from(Params, self.name, values, _HIDDEN)
+
+    def params_to_dict(self, params: Params) -> dict[str, Any]:
+        return params_dict(params, hidden=_HIDDEN)
+
+    def defaults(self, shape: Shape) -> dict[str, Any]:
+        return {}
+
+    def fit_space(self, shape: Shape, axes: dict[str, tuple]) -> dict[str, tuple]:
+        return axes
+
+    def validate(self, shape: Shape, p: Params) -> None:
+        check_rules(_RULES, shape, p)
+
+    def check_run(self, run: dict[str, int]) -> None:
+        if run:
+            raise ConfigError(f"run: {self.name} takes every size at generation (--m --n --k), not {sorted(run)}")
+
+    def scalars(self, shape: Shape, run: dict[str, int]) -> dict[str, int | float]:
+        return {}
+
+    # ---- launch ----
+    def geometry(self, shape: Shape, p: Params, run: dict[str, int]) -> Launch:
+        units = int(np.prod(_units(shape, p)))  # a cluster's CTAs take a unit together
+        return Launch(grid=(min(p.grid // p.cluster or units, units) * p.cluster, 1, 1), block=(p.threads, 1, 1),
+                      dynamic_shared_bytes=_shared_bytes(shape, p), static_shared_bytes=0)
+
+    def launch_formula(self, shape: Shape, p: Params) -> dict[str, Any]:
+        launch = self.geometry(shape, p, {})
+        return {"grid": list(launch.grid), "block": list(launch.block),
+                "dynamic_shared_bytes": launch.dynamic_shared_bytes}
+
+    def tensor_maps(self, shape: Shape, p: Params) -> dict[str, TensorMapSpec]:
+        """The TMA tensor maps the kernel takes after its pointers, in order: which tensor each maps and how."""
+        out = OUTPUTS[shape.c_dtype]
+        row = shape.lda * 2
+        maps = {"tma_a": TensorMapSpec("A", "bfloat16", (shape.k, shape.m), (row,), (BK, p.bm), SWIZZLE, 256),
+                # each CTA of a cluster copies its share of the B tile's rows
+                "tma_b": TensorMapSpec("B", "bfloat16", (shape.k, shape.n), (row,), (BK, p.bn // p.cluster), SWIZZLE, 256)}
+        if p.epilogue == "tma":
+            maps["tma_c"] = TensorMapSpec("C", out.name, (shape.n, shape.m), (shape.n * out.itemsize,),
+                                          (128 // out.itemsize, p.bm // p.consumers), SWIZZLE, 0)
+        return maps
+
+    # ---- generation ----
+    def kernel_name(self, shape: Shape, p: Params) -> str:
+        order = {"row": "row", "grouped": f"g{p.group}", "hilbert": "h"}[p.order]
+        return (f"gemm_sm90_{self.slug(shape)}_b{p.bm}x{p.bn}_s{p.stages}_c{p.consumers}"
+                + (f"_x{p.cluster}" if p.cluster > 1 else "") + f"_{order}_r{p.producer_regs}"
+                f"_f{p.inflight}_{p.epilogue}" + (f"_bug_{p.plant}" if p.plant else ""))
+
+    def context(self, shape: Shape, p: Params) -> dict[str, Any]:
+        out = OUTPUTS[shape.c_dtype]
+        tiles_m, tiles_n = _tiles(shape, p)
+        units_m, units_n = _units(shape, p)
+        stage_bytes = (p.bm + p.bn) * BK * 2
+        c_stage = p.bm * p.bn * out.itemsize if p.epilogue == "tma" else 0
+        return dict(
+            M=shape.m, N=shape.n, K=shape.k, BM=p.bm, BN=p.bn, BK=BK, STAGES=p.stages, CONSUMERS=p.consumers,
+            THREADS=p.threads, TILES_M=tiles_m, CLUSTER=p.cluster, UNITS_M=units_m, UNITS_N=units_n,
+            UNITS=units_m * units_n, KBLOCKS=-(-shape.k // BK),
+            HILBERT=[r << 16 | c for r, c in hilbert_order(units_m, units_n)] if p.order == "hilbert" else [],
+            KSTEPS=BK // KSTEP, KSTEP_BYTES=KSTEP * 2, MI=p.bm // p.consumers // 64, ACC=p.bn // 2,
+            A_BYTES=p.bm * BK * 2, B_BYTES=p.bn * BK * 2, STAGE_BYTES=stage_bytes,
+            CONSUMER_A_BYTES=p.bm // p.consumers * BK * 2,
+            C_STAGE_AT=p.stages * stage_bytes, C_STAGE_BYTES=c_stage, BARRIERS_AT=p.stages * stage_bytes + c_stage,
+            C_BOX_COLS=128 // out.itemsize, C_BOX_BYTES=p.bm // p.consumers * 128, C_BOXES=p.bn * out.itemsize // 128,
+            C_TYPE=out.c_type, C_PTX=out.ptx, C_PAIRS=shape.n % 2 == 0,
+            ORDER=p.order, GROUP=p.group, PRODUCER_REGS=p.producer_regs, CONSUMER_REGS=consumer_regs(p),
+            INFLIGHT=p.inflight, EPILOGUE=p.epilogue, WATCHDOG_NS=p.watchdog_ms * 1_000_000, PLANT=p.plant,
+            SWIZZLE=64 if p.plant == "swizzle" else SWIZZLE, SBO=SBO // 2 if p.plant == "sbo" else SBO,
+        )
+
+    def source(self, shape: Shape, p: Params) -> Source:
+        self.validate(shape, p)
+        return render("gemm_sm90/ws.cu.j2", self.context(shape, p), self.kernel_name(shape, p), p)
+
+    def slug(self, shape: Shape) -> str:
+        return f"{shape.precision}_{shape.b_layout}_{shape.c_dtype}_m{shape.m}_n{shape.n}_k{shape.k}"
+
+    def shape_key(self, shape: Shape) -> str:
+        return f"m={shape.m},n={shape.n},k={shape.k}/{shape.precision}/{shape.b_layout}/{shape.c_dtype}"
+
+    # ---- data ----
+    def args(self, shape: Shape) -> tuple[Arg, ...]:
+        return (Arg("C", "out", OUTPUTS[shape.c_dtype].name), Arg("A", "in", "bfloat16"), Arg("B", "in", "bfloat16"))
+
+    def make_inputs(self, shape: Shape, run: dict[str, int], rng: np.random.Generator) -> dict[str, np.ndarray]:
+        """A and B with rows of lda elements; the padding past K is NaN, so a kernel that read it would fail."""
+        def rows(count: int) -> np.ndarray:
+            held = np.full((count, shape.lda), BFLOAT16.nan_bits & 0xFFFF, dtype=np.uint16)
+            held[:, :shape.k] = BFLOAT16.round(rng.standard_normal((count, shape.k), dtype=np.float32))
+            return held
+
+        return {"A": rows(shape.m), "B": rows(shape.n)}
+
+    def output_shapes(self, shape: Shape, run: dict[str, int]) -> dict[str, tuple[int, ...]]:
+        return {"C": (shape.m, shape.n)}
+
+    def output_dtypes(self, shape: Shape) -> dict[str, DType]:
+        return {"C": OUTPUTS[shape.c_dtype]}
+
+    def tolerance_of(self, shape: Shape, output: str, dtype: DType) -> float:
+        accumulation = 2.0**-24 * shape.k + self.tolerance
+        return accumulation + (2 * dtype.unit_roundoff if dtype.itemsize == 2 else 0.0)
+
+    def reference(self, shape: Shape, inputs: dict[str, np.ndarray], scalars: dict[str, int | float]) -> dict[str, np.ndarray]:
+        a, b = (BFLOAT16.widen(inputs[name][:, :shape.k]).astype(np.float64) for name in ("A", "B"))
+        return {"C": a @ b.T}
+
+    def gate_runs(self, shape: Shape, run: dict[str, int], params: Params) -> list[dict[str, int]]:
+        return [{}]
+
+    def bytes_moved(self, shape: Shape, run: dict[str, int]) -> int:
+        return 2 * (shape.m + shape.n) * shape.k + OUTPUTS[shape.c_dtype].itemsize * shape.m * shape.n
+
+    def flops(self, shape: Shape) -> int:
+        return 2 * shape.m * shape.n * shape.k
+
+    def contract(self, shape: Shape, p: Params) -> dict[str, Any]:
+        out = OUTPUTS[shape.c_dtype]
+        # C: 4-byte pairs (bf16) or 8-byte pairs (fp32) where N is even, single elements otherwise; a TMA store
+        # wants 16 bytes
+        c_align = 16 if p.epilogue == "tma" else (2 * out.itemsize if shape.n % 2 == 0 else out.itemsize)
+
+        def operand(rows: int, what: str) -> dict[str, Any]:
+            return {"dtype": "bfloat16", "shape": [rows, shape.k],
+                    "layout": f"row-major ({what}), row stride {shape.lda} elements (K rounded up to 16 bytes)",
+                    "alignment_bytes": 16}
+
+        return {
+            "tensors": {"C": {"dtype": out.name, "shape": [shape.m, shape.n],
+                              "layout": f"row-major, contiguous, row stride {shape.n} elements",
+                              "alignment_bytes": c_align},
+                        "A": operand(shape.m, "M×K"), "B": operand(shape.n, "N×K: C = A·Bᵀ")},
+            "aliasing": "C must not overlap A or B (no in-place use): every pointer is declared __restrict__",
+            "scalars": {},
+            "tensor_maps": {name: spec.to_dict() for name, spec in self.tensor_maps(shape, p).items()},
+        }
+
+
+OP = GemmSm90()

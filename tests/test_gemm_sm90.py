@@ -1,0 +1,130 @@
+"""The Hopper GEMM (mage_gen/ops/gemm_sm90.py): every quick variant compiles for sm_90a to the wgmma, TMA,
+mbarrier and setmaxnreg its params imply, without spills; its rules refuse what cannot be built, each with a
+line that names the rule; the tensor maps, tile orders and planted bugs are what they say."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from mage_gen.errors import ConfigError
+from mage_gen.ops import get_op
+from mage_gen.ops.gemm_sm90 import consumer_regs, hilbert_order
+from mage_gen.space import expand, load_space
+from mage_gen.variants import build, build_all
+
+OP = get_op("gemm_sm90")
+
+
+def test_every_quick_variant_compiles_to_the_instructions_its_params_imply():
+    shape = OP.shape(m=4096, n=4096, k=4096)
+    valid, rejected = expand(OP, shape, load_space(OP, "quick", shape, sms=132))
+    assert valid and all(why.startswith(("shared-memory", "registers")) for _, why in rejected), rejected
+    for v in build_all(OP, shape, valid, "sm_90"):
+        p, c = v.params, v.census
+        assert v.compiled.arch == "sm_90a", "wgmma needs the arch-specific target"
+        assert c.spill_bytes == 0 and c.stack_bytes == 0, v.source.kernel_name
+        slabs = p.bm // p.consumers // 64
+        # a stage is 64 deep: 4 k16 steps of every 64-row slab of a consumer's rows, as one group
+        assert c.hopper[f"wgmma m64n{p.bn}k16.bf16"] == 4 * slabs
+        assert c.hopper["wgmma.commit_group"] == 1 and c.hopper["wgmma.fence"] == 1
+        assert c.hopper["tma load A"] == 1
+        assert c.hopper["tma load B" + (" multicast" if p.cluster > 1 else "")] == 1
+        assert c.hopper[f"setmaxnreg.dec {p.producer_regs}"] == 1
+        assert c.hopper[f"setmaxnreg.inc {consumer_regs(p)}"] == 1
+        assert c.hopper["mbarrier.arrive.expect_tx"] == 1
+        if p.epilogue == "tma":
+            assert c.hopper["tma store C"] == p.bn * 2 // 128  # one box of 128 bytes of a row per store
+            assert c.hopper["fence.proxy.async"] == 1 and c.hopper["stmatrix x4"] == slabs * p.bn // 16
+            assert not c.global_stores
+        else:
+            assert "tma store C" not in c.hopper and c.stores_of("C") == slabs * p.bn // 4  # bf16 pairs
+
+
+def test_odd_sizes_store_c_one_element_at_a_time_and_fp32_pairs_as_v2():
+    odd = build(OP, OP.shape(m=1025, n=1033, k=1041), OP.params_from_dict({}), "sm_90").census
+    assert odd.stores_of("C") == odd.stores_of("C", "scalar") == 128 // 2  # each column of a pair alone
+    wide = build(OP, OP.shape(m=1024, n=1024, k=1024, c_dtype="fp32"), OP.params_from_dict({}), "sm_90").census
+    assert wide.stores_of("C") == wide.stores_of("C", "v2") == 128 // 4
+
+
+def test_the_kernel_is_built_for_sm_90a_only():
+    with pytest.raises(ConfigError, match="arch: gemm_sm90 is built of wgmma, which only sm_90a"):
+        build(OP, OP.shape(m=256, n=256, k=256), OP.params_from_dict({}), "sm_100")
+    with pytest.raises(ConfigError, match="arch: gemm_sm90 needs sm_90"):
+        build(OP, OP.shape(m=256, n=256, k=256), OP.params_from_dict({}), "sm_80")
+
+
+@pytest.mark.parametrize("shape, values, rule", [
+    ((256, 256, 256), {"bm": 96}, "tile: bm is 64, 128 or 256"),
+    ((256, 256, 256), {"bn": 72}, "tile: bn is a multiple of 16"),
+    ((256, 256, 256), {"bm": 64, "consumers": 2}, "consumers: 2 consumers split bm=64"),
+    ((256, 256, 256), {"bm": 256, "bn": 256}, "registers: 256 accumulators"),
+    ((256, 256, 256), {"bn": 256, "stages": 5}, "shared-memory: 5 stages"),
+    ((256, 256, 256), {"producer_regs": 20}, "registers: producer_regs is 0"),
+    ((256, 250, 256), {"epilogue": "tma"}, "epilogue: a TMA store needs rows of C on 16 bytes"),
+    ((256, 256, 256), {"epilogue": "tma", "bn": 96}, "epilogue: the TMA store writes C in boxes"),
+    ((256, 256, 256), {"cluster": 4}, "cluster: cluster is one of"),
+    ((256, 256, 256), {"order": "zorder"}, "order: order is one of"),
+    ((256, 256, 256), {"plant": "proxy_fence"}, "plant: the proxy fence belongs to the TMA store"),
+])
+def test_rules_refuse_with_a_line_naming_the_rule(shape, values, rule):
+    with pytest.raises(ConfigError, match="^" + rule):
+        OP.validate(OP.shape(*shape), OP.params_from_dict(values))
+
+
+def test_shapes_refuse_what_the_op_cannot_take():
+    with pytest.raises(ConfigError, match="^precision: precision is one of"):
+        OP.shape(m=64, n=64, k=64, precision="fp8")
+    with pytest.raises(ConfigError, match="^c-dtype:"):
+        OP.shape(m=64, n=64, k=64, c_dtype="fp16")
+    with pytest.raises(ConfigError, match="^k-range:"):
+        OP.shape(m=64, n=64, k=0)
+
+
+def test_tensor_maps_read_rows_padded_to_16_bytes_and_boxes_of_a_stage():
+    shape = OP.shape(m=1025, n=1033, k=1041)
+    p = OP.params_from_dict({"bm": 128, "bn": 256, "stages": 3, "cluster": 2})
+    maps = OP.tensor_maps(shape, p)
+    assert shape.lda == 1048 and set(maps) == {"tma_a", "tma_b"}
+    assert maps["tma_a"].dims == (1041, 1025) and maps["tma_a"].strides == (2096,) and maps["tma_a"].box == (64, 128)
+    assert maps["tma_b"].dims == (1041, 1033) and maps["tma_b"].box == (64, 128)  # each CTA of the pair copies half
+    c = OP.tensor_maps(OP.shape(m=1024, n=1040, k=64, c_dtype="fp32"), dataclasses.replace(p, epilogue="tma"))["tma_c"]
+    assert c.dims == (1040, 1024) and c.strides == (4160,) and c.box == (32, 64) and c.swizzle == 128
+
+
+def test_inputs_pad_their_rows_with_nan_and_the_reference_reads_k_columns():
+    shape = OP.shape(m=5, n=3, k=9)
+    inputs = OP.make_inputs(shape, {}, np.random.default_rng(0))
+    assert inputs["A"].shape == (5, 16) and inputs["B"].shape == (3, 16)
+    assert (inputs["A"][:, 9:] == 0x7FC0).all()
+    ref = OP.reference(shape, inputs, {})["C"]
+    assert ref.shape == (5, 3) and np.isfinite(ref).all()
+
+
+@pytest.mark.parametrize("rows, cols", [(1, 1), (3, 5), (8, 8), (16, 32), (33, 7)])
+def test_a_hilbert_order_visits_every_tile_once(rows, cols):
+    order = hilbert_order(rows, cols)
+    assert sorted(order) == [(r, c) for r in range(rows) for c in range(cols)]
+    if rows == cols and rows & (rows - 1) == 0:  # a whole curve: each step to a neighbour
+        assert all(abs(a[0] - b[0]) + abs(a[1] - b[1]) == 1 for a, b in zip(order, order[1:]))
+
+
+def test_a_cluster_pairs_tiles_of_one_column_and_its_grid_is_whole_clusters():
+    shape = OP.shape(m=1152, n=4096, k=256)  # 9 tile rows: the last pair's second tile lies past M
+    p = OP.params_from_dict({"cluster": 2, "grid": 131})
+    assert OP.geometry(shape, p, {}).grid == (130, 1, 1)
+    text = OP.source(shape, p).text
+    assert "__cluster_dims__(2, 1, 1)" in text and "row < 1152" in text
+
+
+@pytest.mark.parametrize("plant, planted", [
+    ("swizzle", "((unsigned long long)2 << 62)"), ("sbo", "(512 >> 4)"),
+    ("phase", "PLANTED: the phase a fresh barrier"), ("proxy_fence", "PLANTED: no proxy fence")])
+def test_each_planted_bug_changes_the_kernel_where_it_says(plant, planted):
+    shape = OP.shape(m=512, n=512, k=512)
+    p = OP.params_from_dict({"epilogue": "tma", "plant": plant})
+    clean, bugged = OP.source(shape, dataclasses.replace(p, plant="")).text, OP.source(shape, p).text
+    assert planted in bugged and planted not in clean
+    with pytest.raises(ConfigError, match="unknown gemm_sm90 parameter"):
+        OP.params_from_user({"plant": plant})
