@@ -31,6 +31,7 @@ from mage_gen.dtypes import DType, of_storage
 from mage_gen.dtypes import dtype as element_type
 from mage_gen.errors import GpuError
 from mage_gen.ops import Op
+from mage_gen.ops.base import tensor_maps
 from mage_gen.render import render
 from mage_gen.timing import Timing
 
@@ -56,13 +57,6 @@ class GateResult:
     def to_dict(self) -> dict:
         return {"passed": self.passed, "reason": self.reason, "worst_error": self.worst_error,
                 "errors": dict(self.errors)}
-
-
-def tensor_maps(op: Op, shape: Any, params: Any) -> dict[str, Any]:
-    """The TMA tensor maps an op's kernel takes after its pointers (ops.base.TensorMapSpec by parameter name); most
-    ops take none."""
-    maps = getattr(op, "tensor_maps", None)
-    return maps(shape, params) if maps is not None else {}
 
 
 def relative_error(out: np.ndarray, ref: np.ndarray) -> float:
@@ -247,6 +241,16 @@ class GateCases:
         self._next.clear()
 
 
+def _hang_or(op: Op, params: Any, exc: Exception, seconds: float) -> str:
+    """A launch that failed after its waits' watchdog would have fired (an op whose kernels trap a wait that never
+    completes declares watchdog_s) was a hang; any other failure is what the driver said."""
+    watchdog = getattr(op, "watchdog_s", None)
+    if watchdog is not None and seconds >= 0.9 * watchdog(params):
+        return (f"hang: the launch failed after {seconds:.1f} s, when a wait that had not completed for "
+                f"{watchdog(params):g} s trapped (an mbarrier phase that never completes); the driver said: {exc}")
+    return str(exc)
+
+
 def gate(op: Op, shape: Any, params: Any, kernel: gpu.Kernel, run: dict[str, int],
          rng: np.random.Generator, stream: gpu.Stream, cases: GateCases | None = None) -> GateResult:
     """cases: where the fresh cases come from (a Bench draws them ahead); drawn from rng when not given."""
@@ -256,12 +260,14 @@ def gate(op: Op, shape: Any, params: Any, kernel: gpu.Kernel, run: dict[str, int
     for gate_run in op.gate_runs(shape, run, params):
         key = ",".join(f"{k}={v}" for k, v in gate_run.items()) or "fixed"
         bound = None
+        launched = time.perf_counter()
         try:
             started = time.perf_counter()
             inputs, reference = cases.take(gate_run)
             host += time.perf_counter() - started
             bound = Bound(op, shape, params, kernel, gate_run, inputs)
             bound.poison(stream)
+            launched = time.perf_counter()
             bound.enqueue(stream.handle)
             stream.synchronize()
             outputs, complaints = bound.outputs()
@@ -273,7 +279,8 @@ def gate(op: Op, shape: Any, params: Any, kernel: gpu.Kernel, run: dict[str, int
             if bound is not None:
                 with contextlib.suppress(GpuError):  # a lost context refuses even this; the fault is the news
                     bound.free()
-            return GateResult(False, f"{gate_run}: {exc}", float("inf"), errors, fault=True, host_s=host)
+            return GateResult(False, f"{gate_run}: {_hang_or(op, params, exc, time.perf_counter() - launched)}",
+                              float("inf"), errors, fault=True, host_s=host)
         except BaseException:
             if bound is not None:
                 bound.free()
@@ -542,13 +549,16 @@ class Placement:
 class Bench:
     """Loads, gates and times variants of one op and size on the current GPU."""
 
-    def __init__(self, op: Op, shape: Any, run: dict[str, int], seed: int | None = None):
+    def __init__(self, op: Op, shape: Any, run: dict[str, int], seed: int | None = None,
+                 inputs: dict[str, np.ndarray] | None = None):
+        """inputs: the timing inputs (another op's, to time two ops on the same values); drawn from the seed where
+        not given. The gate draws its own either way."""
         self.op, self.shape, self.run = op, shape, run
         self.device = gpu.open_device()
         self.stream = gpu.Stream()
         self.rng = np.random.default_rng(seed)
         self.cases = GateCases(op, shape, self.rng, ahead=True)
-        self._timing_inputs: dict[str, np.ndarray] | None = None
+        self._timing_inputs: dict[str, np.ndarray] | None = inputs
         self._timing_on_device: dict[str, gpu.Buffer] | None = None
         self._timing_reference: DeviceReference | None = None
         self._placements: list[Placement] = []
@@ -701,7 +711,10 @@ class Bench:
                     kernel.unload()
             raise
         if evaluation.gate.fault:
-            gpu.synchronize()  # raises where the context is lost (an illegal address); not after a refused launch
+            try:
+                gpu.synchronize()  # raises where the context is lost (an illegal address); not after a refused launch
+            except GpuError as exc:  # the trial's own reason first: what the gate saw (a hang, an illegal address)
+                raise GpuError(f"{evaluation.gate.reason} (the context is lost: {exc})") from None
         if kernel is not None:
             kernel.unload()
         return evaluation

@@ -525,3 +525,22 @@ def test_cli_emit_never_replaces_another_kernel_without_force(tmp_path):
     forced = mage_gen_cli("emit", "layernorm", "--d", "768", "--config", "threads=96", "-o", str(out), "--force")
     assert forced.returncode == 0, forced.stderr
     assert json.loads((out / "layernorm_d768.launch.json").read_text())["params"]["threads"] == 96
+
+
+@pytest.mark.parametrize("op_name, dims, values", [
+    ("layernorm", {"d": 768, "dtype": "bf16", "weight_dtype": "fp32", "residual": True}, {"threads": 96}),
+    ("matmul_tc", {"m": 130, "n": 258, "k": 66, "precision": "bf16"}, {}),
+    ("gemm_sm90", {"m": 1024, "n": 1032, "k": 1040, "c_dtype": "fp32"}, {"epilogue": "tma", "grid": 132}),
+])
+def test_the_command_an_emitted_kernel_names_regenerates_its_files_verbatim(tmp_path, op_name, dims, values):
+    op = get_op(op_name)
+    shape = op.shape(**dims)
+    written = emit(op, shape, op.params_from_dict({**op.defaults(shape), **values}), "sm_90", tmp_path / "first", None)
+    command = next(line for line in written[0].read_text().splitlines() if "mage-gen emit" in line)
+    argv = command.removeprefix("//").split()
+    assert argv[:2] == ["mage-gen", "emit"]
+    done = subprocess.run([sys.executable, "-m", "mage_gen", *argv[1:], "-o", str(tmp_path / "again")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    for path in written:
+        assert (tmp_path / "again" / path.name).read_bytes() == path.read_bytes(), path.name

@@ -150,6 +150,12 @@ class TensorMapSpec:
         return {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(self).items()}
 
 
+def tensor_maps(op: Any, shape: Any, params: Any) -> dict[str, TensorMapSpec]:
+    """The TMA tensor maps an op's kernel takes after its pointers, by parameter name; most ops take none."""
+    maps = getattr(op, "tensor_maps", None)
+    return maps(shape, params) if maps is not None else {}
+
+
 @dataclass(frozen=True)
 class Arg:
     """One kernel parameter, in launch order. kind: 'out' | 'in' (buffers of `dtype` elements), 'i32', 'f32'."""

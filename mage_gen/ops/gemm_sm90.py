@@ -10,7 +10,8 @@ One template, `ws` (templates/gemm_sm90/ws.cu.j2): a persistent grid of at most 
 gives one per SM), each of 1 + `consumers` warpgroups. The producer's one thread copies BK = 64-element (128-byte)
 slices of K of a BM×BN tile into `stages` shared-memory stages; the consumers multiply them with wgmma (each
 BM/consumers rows, as m64 slabs, N = BN) and store C from registers (`epilogue` direct) or through shared memory
-and a TMA store (tma). `producer_regs` moves registers from the producer warpgroup to the consumers
+and a TMA store (tma), which needs rows of C on 16 bytes: where N does not allow it (N·size not a multiple of 16),
+`tma` stores from registers too, and the kernel's name says so. `producer_regs` moves registers from the producer warpgroup to the consumers
 (setmaxnreg); `inflight` 1 keeps one stage's wgmma group running while the next is issued.
 
 The gate's tolerance: products of bf16 are exact in fp32, so the error is the fp32 accumulation over K (at most
@@ -149,9 +150,14 @@ def consumer_regs(p: Params) -> int:
     return min(256, (REGISTER_FILE // 128 - p.producer_regs) // p.consumers // 8 * 8)
 
 
+def epilogue(shape: Shape, p: Params) -> str:
+    """How the kernel stores C: as asked, except that a TMA store needs rows of C on 16 bytes."""
+    return "direct" if (shape.n * OUTPUTS[shape.c_dtype].itemsize) % 16 else p.epilogue
+
+
 def _shared_bytes(shape: Shape, p: Params) -> int:
     out = OUTPUTS[shape.c_dtype]
-    staging = p.bm * p.bn * out.itemsize if p.epilogue == "tma" else 0
+    staging = p.bm * p.bn * out.itemsize if epilogue(shape, p) == "tma" else 0
     return 1024 + p.stages * (p.bm + p.bn) * BK * 2 + staging + 2 * 8 * p.stages  # 1024: room to align the tiles
 
 
@@ -179,6 +185,9 @@ _RULES: tuple[Rule, ...] = (
     Rule("stages", lambda s, p: 2 <= p.stages <= 8, lambda s, p: f"stages is 2..8, got {p.stages}"),
     Rule("order", lambda s, p: p.order in ORDERS, lambda s, p: f"order is one of {ORDERS}, got {p.order!r}"),
     Rule("order", lambda s, p: p.group >= 1, lambda s, p: f"group is a positive number of tile rows, got {p.group}"),
+    # a group other than the default changes nothing but the grouped order: two names for one kernel otherwise
+    Rule("order", lambda s, p: p.order == "grouped" or p.group == Params.group,
+         lambda s, p: f"group is the super-row of order grouped; with order {p.order} leave it at {Params.group}"),
     Rule("order", lambda s, p: p.order != "hilbert" or np.prod(_units(s, p)) <= MAX_ORDER_TABLE,
          lambda s, p: f"a Hilbert order lists its {int(np.prod(_units(s, p)))} tiles in constant memory, at most "
                       f"{MAX_ORDER_TABLE}; use order grouped"),
@@ -191,21 +200,19 @@ _RULES: tuple[Rule, ...] = (
                       "smaller tile or more consumers"),
     Rule("inflight", lambda s, p: p.inflight in (0, 1), lambda s, p: f"inflight is 0 or 1 wgmma groups, got {p.inflight}"),
     Rule("epilogue", lambda s, p: p.epilogue in EPILOGUES, lambda s, p: f"epilogue is one of {EPILOGUES}, got {p.epilogue!r}"),
-    Rule("epilogue", lambda s, p: p.epilogue != "tma" or (s.n * OUTPUTS[s.c_dtype].itemsize) % 16 == 0,
-         lambda s, p: f"a TMA store needs rows of C on 16 bytes: N={s.n} {s.c_dtype} elements are "
-                      f"{s.n * OUTPUTS[s.c_dtype].itemsize} bytes; use epilogue direct"),
     Rule("epilogue", lambda s, p: p.epilogue != "tma" or (p.bn * OUTPUTS[s.c_dtype].itemsize) % 128 == 0,
          lambda s, p: f"the TMA store writes C in boxes of 128 bytes of a row: bn={p.bn} {s.c_dtype} elements must be "
                       f"a multiple of {128 // OUTPUTS[s.c_dtype].itemsize}; use epilogue direct"),
     Rule("grid", lambda s, p: p.grid >= 0, lambda s, p: f"grid is a number of CTAs (0: one per tile), got {p.grid}"),
     Rule("shared-memory", lambda s, p: _shared_bytes(s, p) <= MAX_SHARED_BYTES,
          lambda s, p: f"{p.stages} stages of {p.bm}×{BK} and {p.bn}×{BK}"
-                      + (" and the C staging tile" if p.epilogue == "tma" else "")
+                      + (" and the C staging tile" if epilogue(s, p) == "tma" else "")
                       + f" need {_shared_bytes(s, p)} bytes, over the {MAX_SHARED_BYTES} a block can have; use fewer "
                         "stages or a smaller tile"),
     Rule("plant", lambda s, p: p.plant in PLANTED_BUGS, lambda s, p: f"unknown planted bug {p.plant!r}"),
-    Rule("plant", lambda s, p: p.plant != "proxy_fence" or p.epilogue == "tma",
-         lambda s, p: "the proxy fence belongs to the TMA store: plant proxy_fence with epilogue tma"),
+    Rule("plant", lambda s, p: p.plant != "proxy_fence" or epilogue(s, p) == "tma",
+         lambda s, p: "the proxy fence belongs to the TMA store: plant proxy_fence with epilogue tma (and N·size a "
+                      "multiple of 16 bytes)"),
     Rule("watchdog", lambda s, p: p.watchdog_ms >= 1, lambda s, p: f"watchdog_ms is positive, got {p.watchdog_ms}"),
 )
 
@@ -257,6 +264,10 @@ class GemmSm90:
     def validate(self, shape: Shape, p: Params) -> None:
         check_rules(_RULES, shape, p)
 
+    def watchdog_s(self, p: Params) -> float:
+        """Seconds a wait on an mbarrier may last before the kernel traps (measure reports such a failure as a hang)."""
+        return p.watchdog_ms / 1000
+
     def check_run(self, run: dict[str, int]) -> None:
         if run:
             raise ConfigError(f"run: {self.name} takes every size at generation (--m --n --k), not {sorted(run)}")
@@ -282,7 +293,7 @@ class GemmSm90:
         maps = {"tma_a": TensorMapSpec("A", "bfloat16", (shape.k, shape.m), (row,), (BK, p.bm), SWIZZLE, 256),
                 # each CTA of a cluster copies its share of the B tile's rows
                 "tma_b": TensorMapSpec("B", "bfloat16", (shape.k, shape.n), (row,), (BK, p.bn // p.cluster), SWIZZLE, 256)}
-        if p.epilogue == "tma":
+        if epilogue(shape, p) == "tma":
             maps["tma_c"] = TensorMapSpec("C", out.name, (shape.n, shape.m), (shape.n * out.itemsize,),
                                           (128 // out.itemsize, p.bm // p.consumers), SWIZZLE, 0)
         return maps
@@ -292,14 +303,14 @@ class GemmSm90:
         order = {"row": "row", "grouped": f"g{p.group}", "hilbert": "h"}[p.order]
         return (f"gemm_sm90_{self.slug(shape)}_b{p.bm}x{p.bn}_s{p.stages}_c{p.consumers}"
                 + (f"_x{p.cluster}" if p.cluster > 1 else "") + f"_{order}_r{p.producer_regs}"
-                f"_f{p.inflight}_{p.epilogue}" + (f"_bug_{p.plant}" if p.plant else ""))
+                f"_f{p.inflight}_{epilogue(shape, p)}" + (f"_bug_{p.plant}" if p.plant else ""))
 
     def context(self, shape: Shape, p: Params) -> dict[str, Any]:
         out = OUTPUTS[shape.c_dtype]
         tiles_m, tiles_n = _tiles(shape, p)
         units_m, units_n = _units(shape, p)
         stage_bytes = (p.bm + p.bn) * BK * 2
-        c_stage = p.bm * p.bn * out.itemsize if p.epilogue == "tma" else 0
+        c_stage = p.bm * p.bn * out.itemsize if epilogue(shape, p) == "tma" else 0
         return dict(
             M=shape.m, N=shape.n, K=shape.k, BM=p.bm, BN=p.bn, BK=BK, STAGES=p.stages, CONSUMERS=p.consumers,
             THREADS=p.threads, TILES_M=tiles_m, CLUSTER=p.cluster, UNITS_M=units_m, UNITS_N=units_n,
@@ -312,7 +323,7 @@ class GemmSm90:
             C_BOX_COLS=128 // out.itemsize, C_BOX_BYTES=p.bm // p.consumers * 128, C_BOXES=p.bn * out.itemsize // 128,
             C_TYPE=out.c_type, C_PTX=out.ptx, C_PAIRS=shape.n % 2 == 0,
             ORDER=p.order, GROUP=p.group, PRODUCER_REGS=p.producer_regs, CONSUMER_REGS=consumer_regs(p),
-            INFLIGHT=p.inflight, EPILOGUE=p.epilogue, WATCHDOG_NS=p.watchdog_ms * 1_000_000, PLANT=p.plant,
+            INFLIGHT=p.inflight, EPILOGUE=epilogue(shape, p), WATCHDOG_NS=p.watchdog_ms * 1_000_000, PLANT=p.plant,
             SWIZZLE=64 if p.plant == "swizzle" else SWIZZLE, SBO=SBO // 2 if p.plant == "sbo" else SBO,
         )
 
@@ -366,7 +377,7 @@ class GemmSm90:
         out = OUTPUTS[shape.c_dtype]
         # C: 4-byte pairs (bf16) or 8-byte pairs (fp32) where N is even, single elements otherwise; a TMA store
         # wants 16 bytes
-        c_align = 16 if p.epilogue == "tma" else (2 * out.itemsize if shape.n % 2 == 0 else out.itemsize)
+        c_align = 16 if epilogue(shape, p) == "tma" else (2 * out.itemsize if shape.n % 2 == 0 else out.itemsize)
 
         def operand(rows: int, what: str) -> dict[str, Any]:
             return {"dtype": "bfloat16", "shape": [rows, shape.k],

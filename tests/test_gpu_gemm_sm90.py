@@ -1,0 +1,165 @@
+"""On the GPU: the Hopper GEMM. Every stored winner, and drawn configs, match the float64 reference at tails
+(M, N, K ≡ 1 mod 8, K not a multiple of 64); the gate rejects a wrong swizzle and a wrong stride byte offset; a
+wait on the wrong phase is reported as a hang and the next trial runs; a C++ program built from the emitted .h
+and .cubin alone computes C. Skipped without a CUDA driver."""
+
+import functools
+import random
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, reject, settings
+from hypothesis import strategies as st
+
+from mage_gen.emit import emit
+from mage_gen.errors import NoGpuError, StoreError
+from mage_gen.ops import get_op
+from mage_gen.space import draw, load_space
+from mage_gen.store import load_winners
+from mage_gen.variants import build
+from mage_gen.worker import IsolatedBackend, gpu_backend
+
+from drawn import gate_on_gpu  # tests/drawn.py
+
+pytestmark = pytest.mark.gpu
+OP = get_op("gemm_sm90")
+TAILS = [(1025, 1033, 1041), (1033, 1032, 1000), (3073, 4104, 521)]
+
+
+def stored_winners(device):
+    """(shape, params) of every gemm_sm90 entry tuned on this GPU."""
+    from mage_gen.store import tuned_shapes
+
+    winners = []
+    for shape in tuned_shapes(OP, device.name):
+        try:
+            winners += [(shape, w.params) for w in load_winners(OP, shape, device.name)]
+        except StoreError:
+            continue
+    return winners
+
+
+@pytest.mark.parametrize("m, n, k", TAILS)
+@pytest.mark.parametrize("c_dtype", ["bf16", "fp32"])
+def test_every_stored_winner_passes_the_gate_at_tails(device, stream, m, n, k, c_dtype):
+    winners = stored_winners(device)
+    if not winners:
+        pytest.skip(f"no gemm_sm90 winner is tuned for {device.name}")
+    shape = OP.shape(m=m, n=n, k=k, c_dtype=c_dtype)
+    for tuned, params in winners:
+        result = gate_on_gpu(OP, device, stream, shape, params)
+        assert result.passed, f"{params.label()} (tuned at {tuned}) at {shape}: {result.reason}"
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_drawn_configs_match_the_float64_reference(device, stream, data):
+    dims = st.one_of(st.integers(1, 700), st.sampled_from([64, 128, 256, 1000]))
+    shape = OP.shape(m=data.draw(dims, label="m"), n=data.draw(dims, label="n"), k=data.draw(dims, label="k"),
+                     c_dtype=data.draw(st.sampled_from(["bf16", "fp32"]), label="c_dtype"))
+    params = draw(OP, shape, load_space(OP, "full", shape, sms=device.sms),
+                  random.Random(data.draw(st.integers(0, 2**32 - 1), label="params seed")))
+    if params is None:
+        reject()
+    result = gate_on_gpu(OP, device, stream, shape, params, seed=data.draw(st.integers(0, 2**32 - 1), label="seed"))
+    assert result.passed, f"{params.label()} at {shape}: {result.reason}"
+
+
+@pytest.mark.parametrize("plant", ["swizzle", "sbo"])
+def test_the_gate_rejects_a_wrong_descriptor(device, stream, plant):
+    shape = OP.shape(m=1024, n=1032, k=1040)
+    values = {"epilogue": "tma", "grid": device.sms}
+    assert gate_on_gpu(OP, device, stream, shape, OP.params_from_dict(values)).passed
+    result = gate_on_gpu(OP, device, stream, shape, OP.params_from_dict({**values, "plant": plant}))
+    assert not result.passed and "relative error" in result.reason, result.reason
+
+
+def test_a_wait_on_the_wrong_phase_is_a_hang_and_the_next_trial_runs(device):
+    shape = OP.shape(m=1024, n=1024, k=1024)
+    try:
+        worker = IsolatedBackend(functools.partial(gpu_backend, OP.name, shape, {}, 0), min_timeout_s=30.0)
+    except NoGpuError as exc:
+        pytest.skip(str(exc))
+    try:
+        clean = OP.params_from_dict({"watchdog_ms": 1000})
+        hung = worker.evaluate(build(OP, shape, OP.params_from_dict({"watchdog_ms": 1000, "plant": "phase"}),
+                                     worker.arch))
+        assert not hung.gate.passed and "hang" in hung.gate.reason, hung.gate.reason
+        after = worker.evaluate(build(OP, shape, clean, worker.arch))
+        assert after.gate.passed, after.gate.reason
+    finally:
+        worker.close()
+
+
+HOST_PROGRAM = r"""
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+#include "STEM.h"
+
+// A, B: small whole numbers in bf16 (exact), rows LDA elements apart, NaN past K; C fp32: every sum is exact.
+int main(int argc, char** argv)
+{
+    const int M = MM, N = NN, K = KK, LDA = LDAA;
+    if (cuInit(0) != CUDA_SUCCESS) return 3;
+    CUdevice device; CUcontext context; CUmodule module; CUfunction f;
+    cuDeviceGet(&device, 0);
+    cuDevicePrimaryCtxRetain(&context, device);
+    cuCtxSetCurrent(context);
+    if (cuModuleLoad(&module, argv[1]) != CUDA_SUCCESS) return 4;
+    if (cuModuleGetFunction(&f, module, STEM_kernel_name) != CUDA_SUCCESS) return 5;
+    std::vector<unsigned short> a((size_t)M * LDA, 0x7FC0), b((size_t)N * LDA, 0x7FC0);
+    std::vector<float> av((size_t)M * K), bv((size_t)N * K), c((size_t)M * N);
+    unsigned state = 12345;
+    auto next = [&]() { state = state * 1664525u + 1013904223u; return (int)(state >> 29) - 3; };  // -3..4
+    for (int i = 0; i < M; ++i) for (int j = 0; j < K; ++j) {
+        float v = (float)next(); unsigned bits; std::memcpy(&bits, &v, 4);
+        a[(size_t)i * LDA + j] = (unsigned short)(bits >> 16); av[(size_t)i * K + j] = v;
+    }
+    for (int i = 0; i < N; ++i) for (int j = 0; j < K; ++j) {
+        float v = (float)next(); unsigned bits; std::memcpy(&bits, &v, 4);
+        b[(size_t)i * LDA + j] = (unsigned short)(bits >> 16); bv[(size_t)i * K + j] = v;
+    }
+    CUdeviceptr da, db, dc;
+    cuMemAlloc(&da, a.size() * 2); cuMemAlloc(&db, b.size() * 2); cuMemAlloc(&dc, c.size() * 4);
+    cuMemcpyHtoD(da, a.data(), a.size() * 2); cuMemcpyHtoD(db, b.data(), b.size() * 2);
+    cuMemsetD32(dc, 0x7FC00000, c.size());
+    // a misaligned pointer is refused, launching nothing
+    if (STEM_launch(f, (float*)(dc + 4), (const unsigned short*)da, (const unsigned short*)db, 0) != CUDA_ERROR_INVALID_VALUE)
+        return 6;
+    CUresult launched = STEM_launch(f, (float*)dc, (const unsigned short*)da, (const unsigned short*)db, 0);
+    if (launched != CUDA_SUCCESS || cuCtxSynchronize() != CUDA_SUCCESS) return 7;
+    cuMemcpyDtoH(c.data(), dc, c.size() * 4);
+    long wrong = 0;
+    for (int i = 0; i < M; ++i) for (int j = 0; j < N; ++j) {
+        double sum = 0;
+        for (int k = 0; k < K; ++k) sum += (double)av[(size_t)i * K + k] * bv[(size_t)j * K + k];
+        wrong += !(c[(size_t)i * N + j] == sum);
+    }
+    std::printf("%ld of %ld elements wrong\n", wrong, (long)M * N);
+    return wrong ? 1 : 0;
+}
+"""
+
+
+@pytest.mark.parametrize("epilogue, n", [("tma", 1032), ("direct", 1033)])
+def test_a_cpp_program_from_the_emitted_header_and_cubin_alone_computes_c(device, tmp_path, epilogue, n):
+    compiler = shutil.which("nvcc") or shutil.which("/usr/local/cuda/bin/nvcc")
+    if compiler is None:
+        pytest.skip("no nvcc to build the C++ program with")
+    shape = OP.shape(m=1025, n=n, k=1041, c_dtype="fp32")
+    params = OP.params_from_dict({"bn": 128, "stages": 4, "epilogue": epilogue, "grid": device.sms})
+    stem = "gemm"
+    emit(OP, shape, params, device.arch, tmp_path, None, stem=stem)
+    program = HOST_PROGRAM.replace("STEM", stem).replace("MM", str(shape.m)).replace("NN", str(shape.n)) \
+        .replace("KK", str(shape.k)).replace("LDAA", str(shape.lda))
+    (tmp_path / "main.cpp").write_text(program)
+    built = subprocess.run([compiler, "-std=c++17", "-O1", "-o", str(tmp_path / "main"), str(tmp_path / "main.cpp"),
+                            "-lcuda"], capture_output=True, text=True, cwd=tmp_path)
+    assert built.returncode == 0, built.stderr
+    ran = subprocess.run([str(tmp_path / "main"), str(tmp_path / f"{stem}.cubin")], capture_output=True, text=True,
+                         timeout=120)
+    assert ran.returncode == 0 and "0 of" in ran.stdout, (ran.returncode, ran.stdout, ran.stderr)
