@@ -3,6 +3,7 @@ where a result came from, and writing it under bench/results/<gpu>/."""
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import math
 import subprocess
@@ -36,6 +37,15 @@ def winner_params(op, shape, device, tune_missing: bool, tune_flags: list[str], 
             raise
     subprocess.run([sys.executable, "-m", "mage_gen", "tune", op.name, *tune_flags, "--out", TUNE_OUT], check=True)
     return load_winner(op, shape, device.name, run, l2_bytes=device.l2_bytes).params
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """MxNxK, as the matmul benches take a shape on their command line."""
+    try:
+        m, n, k = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a shape as MxNxK, e.g. 4096x4096x4096") from None
+    return m, n, k
 
 
 def norm_case(text: str) -> tuple[str, bool, int, int]:

@@ -27,7 +27,7 @@ from mage_gen.peers import make_peers
 from mage_gen.timing import round_ratio
 from mage_gen.variants import build
 
-from _common import provenance, timing_method, winner_params, write_result  # bench/_common.py, beside this script
+from _common import parse_shape, provenance, timing_method, winner_params, write_result  # bench/_common.py, beside this script
 
 SHAPES = [(2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192)]
 ROUNDS, PER_ROUND = 8, 5
@@ -162,14 +162,6 @@ def summarize(rows: list[dict]) -> dict:
     return {"targets": targets, "all_targets_met": bool(targets) and all(t["met"] for t in targets.values()),
             "all_gated": all("timings" in r for r in rows),
             "untuned": [f"{r['m']}x{r['n']}x{r['k']}" for r in rows if r["chosen"] != "tuned"]}
-
-
-def parse_shape(text: str) -> tuple[int, int, int]:
-    try:
-        m, n, k = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a shape as MxNxK, e.g. 4096x4096x4096") from None
-    return m, n, k
 
 
 def main() -> None:
