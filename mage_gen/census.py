@@ -131,7 +131,7 @@ HOPPER_OPS = (
     ("mbarrier.init", re.compile(r"\bmbarrier\.init\.")),
     ("mbarrier.arrive.expect_tx", re.compile(r"\bmbarrier\.arrive\.expect_tx\.")),
     ("mbarrier.arrive", re.compile(r"\bmbarrier\.arrive\.shared::cta\.")),
-    ("mbarrier.arrive.cluster", re.compile(r"\bmbarrier\.arrive\.release\.cluster\.shared::cluster\.")),
+    ("mbarrier.arrive.cluster", re.compile(r"\bmbarrier\.arrive(?:\.release\.cluster)?\.shared::cluster\.")),
     ("mbarrier.try_wait", re.compile(r"\bmbarrier\.try_wait\.")),
     ("mapa", re.compile(r"\bmapa\.")),
     ("tma load {0} multicast", re.compile(r"\bcp\.async\.bulk\.tensor\.\d+d\.shared::cluster\.global\S*\.multicast::cluster\S*\s.*tensor=(\w+)")),

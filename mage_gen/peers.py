@@ -103,10 +103,10 @@ if triton is not None:
         tl.store(C + rows[:, None] * N + cols[None, :], acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
 
     @triton.jit
-    def _triton_matmul_nt(A, B, C, M, N, K, LD, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-        # C = A·Bᵀ, A M×K and B N×K with rows LD elements apart, C M×N contiguous (its element type C's); fp32
-        # sums; tiles GROUP_M tile rows at a time, as _triton_matmul
+    def _triton_matmul_strided(A, B, C, M, N, K, LD, SBK, SBN, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+        # C = A·B, A M×K with rows LD elements apart, B's element (k, n) at k·SBK + n·SBN (an N×K B: SBK 1), C M×N
+        # contiguous (its element type C's); fp32 sums; tiles GROUP_M tile rows at a time, as _triton_matmul
         pid = tl.program_id(0)
         per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
         first = (pid // per_group) * GROUP_M
@@ -116,7 +116,7 @@ if triton is not None:
         cols = (within // group_rows) * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
         a = A + rows[:, None] * LD + ks[None, :]
-        b = B + cols[None, :] * LD + ks[:, None]
+        b = B + cols[None, :] * SBN + ks[:, None] * SBK
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_in = ks < K - k0
@@ -124,7 +124,7 @@ if triton is not None:
             b_tile = tl.load(b, mask=k_in[:, None] & (cols[None, :] < N), other=0.0)
             acc = tl.dot(a_tile, b_tile, acc)
             a += BLOCK_K
-            b += BLOCK_K
+            b += BLOCK_K * SBK
         tl.store(C + rows[:, None] * N + cols[None, :], acc.to(C.dtype.element_ty),
                  mask=(rows[:, None] < M) & (cols[None, :] < N))
 
@@ -409,32 +409,37 @@ TRITON_SM90_CONFIGS = ((128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 64
 
 def _gemm_sm90_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float, inductor: bool,
                           tensor_of: Callable[[str, DType], Any], output_of: _Outputs) -> dict[str, list[TorchSubject]]:
-    """cuBLAS through torch (C = A·Bᵀ as F.linear computes it: bf16 A and B, fp32 sums, C in C's type) and Triton's
-    tl.dot over its Hopper tiles, each reading the same A and B (rows of lda elements) and writing C's type."""
+    """cuBLAS through torch (C = A·Bᵀ as F.linear computes it, or A·B for a K×N B: bf16 A and B, fp32 sums, C in C's
+    type) and Triton's tl.dot over its Hopper tiles, each reading the same A and B (their padded rows) and writing
+    C's type."""
     a_rows, b_rows = (tensor_of(name, BFLOAT16) for name in ("A", "B"))
-    a, b = a_rows[:, :shape.k], b_rows[:, :shape.k]
+    a = a_rows[:, :shape.k]
+    nk = shape.b_layout == "nk"
+    b = b_rows[:, :shape.k].t() if nk else b_rows[:, :shape.n]  # K×N either way, as a view
+    b_strides = (1, b_rows.stride(0)) if nk else (b_rows.stride(0), 1)  # of (k, n)
     out_type = torch.bfloat16 if shape.c_dtype == "bf16" else torch.float32
 
     def cublas_run(c):
         def go():
             if out_type == torch.bfloat16:
-                torch.matmul(a, b.t(), out=c)
+                torch.matmul(a, b, out=c)
             else:
-                torch.mm(a, b.t(), torch.float32, out=c)
+                torch.mm(a, b, torch.float32, out=c)
             return c
         return go
 
+    product = "torch.matmul(A, B.t())" if nk else "torch.matmul(A, B)"
     candidates = {"cublas": [TorchSubject("cublas", cublas_run(output_of("C", (shape.m, shape.n), out_type)),
-                                          {"fn": "torch.matmul(A, B.t())" if out_type == torch.bfloat16
-                                                 else "torch.mm(A, B.t(), torch.float32)"})]}
+                                          {"fn": product if out_type == torch.bfloat16
+                                                 else product.replace("matmul", "mm").replace(")", ", torch.float32)")})]}
     if triton is not None:
         def triton_run(c, bm, bn, bk, warps, stages):
             grid = (triton.cdiv(shape.m, bm) * triton.cdiv(shape.n, bn),)
 
             def go():
-                _triton_matmul_nt[grid](a_rows, b_rows, c, shape.m, shape.n, shape.k, a_rows.stride(0), BLOCK_M=bm,
-                                        BLOCK_N=bn, BLOCK_K=bk, GROUP_M=TRITON_GROUP_M, num_warps=warps,
-                                        num_stages=stages)
+                _triton_matmul_strided[grid](a_rows, b_rows, c, shape.m, shape.n, shape.k, a_rows.stride(0), *b_strides,
+                                             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=TRITON_GROUP_M,
+                                             num_warps=warps, num_stages=stages)
                 return c
             return go
 

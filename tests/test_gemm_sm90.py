@@ -136,3 +136,21 @@ def test_each_planted_bug_changes_the_kernel_where_it_says(plant, planted):
     assert planted in bugged and planted not in clean
     with pytest.raises(ConfigError, match="unknown gemm_sm90 parameter"):
         OP.params_from_user({"plant": plant})
+
+
+def test_a_k_by_n_b_arrives_in_boxes_of_64_columns_and_is_read_through_the_transpose_bit():
+    shape = OP.shape(m=1025, n=1033, k=1041, b_layout="kn")
+    p = OP.params_from_dict({"bn": 256, "stages": 3})
+    v = build(OP, shape, p, "sm_90")
+    assert v.census.hopper["tma load B"] == 4 and v.census.hopper["wgmma m64n256k16.bf16"] == 4
+    assert ", 1, 1, 0, 1; }" in v.source.text  # trans-b set, trans-a not
+    assert OP.tensor_maps(shape, p)["tma_b"].dims == (1033, 1041) and shape.ldb == 1040
+    b = OP.contract(shape, p)["tensors"]["B"]
+    assert b["shape"] == [1041, 1033] and "row stride 1040" in b["layout"]
+    inputs = OP.make_inputs(shape, {}, np.random.default_rng(1))
+    assert inputs["B"].shape == (1041, 1040) and (inputs["B"][:, 1033:] == 0x7FC0).all()
+    assert OP.reference(shape, inputs, {})["C"].shape == (1025, 1033)
+    clustered = OP.params_from_dict({"bn": 128, "cluster": 2})
+    assert build(OP, shape, clustered, "sm_90").census.hopper["tma load B multicast"] == 1
+    with pytest.raises(ConfigError, match="^b-layout: with B K×N"):
+        OP.validate(shape, OP.params_from_dict({"bn": 64, "cluster": 2}))

@@ -19,9 +19,23 @@ from mage_gen import gpu
 from mage_gen.errors import MageError
 from mage_gen.measure import Bench, interleave_rounds, pool_rounds
 from mage_gen.ops import get_op
+from mage_gen.ops.gemm_sm90 import GemmSm90
 from mage_gen.peers import make_peers
 from mage_gen.timing import round_ratio
 from mage_gen.variants import build
+
+
+class ClusteredOnly(GemmSm90):
+    """Clusters launched and synchronised as configured, but every CTA copies its whole B tile itself: what the
+    cluster costs without the multicast (--clustered-only)."""
+
+    name = "gemm_sm90"
+
+    def b_sharers(self, p):
+        return 1
+
+    def kernel_name(self, shape, p):
+        return super().kernel_name(shape, p) + ("_nomc" if p.cluster > 1 else "")
 
 
 def parse_config(text: str) -> dict:
@@ -40,8 +54,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--per-round", type=int, default=5)
     parser.add_argument("--out", help="write the rows as JSON here")
+    parser.add_argument("--clustered-only", action="store_true", help="clusters without multicast: each CTA copies "
+                                                                       "its own B tile")
     args = parser.parse_args()
-    op = get_op("gemm_sm90")
+    op = ClusteredOnly() if args.clustered_only else get_op("gemm_sm90")
     device = gpu.open_device()
     rows = []
     for text in args.shape:

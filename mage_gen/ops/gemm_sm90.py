@@ -1,7 +1,8 @@
 """Matrix product on Hopper's tensor cores: wgmma fed by TMA under mbarriers, warp-specialized and persistent.
 
-C = A·Bᵀ with A M×K and B N×K (an nn.Linear weight: both operands K-major), bf16 in, fp32 accumulation, C bf16
-or fp32, row-major. M, N and K are fixed when the kernel is generated. Rows of A and B are read by TMA, which
+C = A·Bᵀ with A M×K and B N×K (`b_layout` nk, an nn.Linear weight: both operands K-major), or C = A·B with B
+K×N (kn: B N-major, which wgmma reads through its transpose bit), bf16 in, fp32 accumulation, C bf16 or fp32,
+row-major. M, N and K are fixed when the kernel is generated. Rows of A and B are read by TMA, which
 needs each row to start on 16 bytes: a K that is not a multiple of 8 is taken with rows padded to the next
 multiple (the tensors' row stride, `lda`, says so), and past K, M and N a copy brings zeros, so tails cost
 nothing but the guards of C's stores.
@@ -35,7 +36,7 @@ from mage_gen.render import Source, render
 
 PRECISIONS = ("bf16",)
 OUTPUTS = {"bf16": BFLOAT16, "fp32": FLOAT32}
-B_LAYOUTS = ("nk",)  # B as N×K row-major
+B_LAYOUTS = ("nk", "kn")  # B as N×K row-major (C = A·Bᵀ), or K×N (C = A·B)
 MAX_DIM = 1 << 20
 BK = 64  # elements of K per stage: one 128-byte row of each operand's tile, the 128-byte swizzle's span
 KSTEP = 16  # K of one wgmma
@@ -73,8 +74,17 @@ class Shape:
 
     @property
     def lda(self) -> int:
-        """Elements from one row of A (and of B) to the next."""
+        """Elements from one row of A (and of an N×K B) to the next."""
         return padded(self.k, BFLOAT16)
+
+    @property
+    def ldb(self) -> int:
+        """Elements from one row of B to the next."""
+        return self.lda if self.b_layout == "nk" else padded(self.n, BFLOAT16)
+
+    @property
+    def b_rows(self) -> int:
+        return self.n if self.b_layout == "nk" else self.k
 
 
 @dataclass(frozen=True)
@@ -165,7 +175,7 @@ _SHAPE_RULES = (
     Rule("precision", lambda s: s.precision in PRECISIONS, lambda s: f"precision is one of {PRECISIONS}, got {s.precision!r}"),
     Rule("c-dtype", lambda s: s.c_dtype in OUTPUTS, lambda s: f"c_dtype (C's element type) is one of {tuple(OUTPUTS)}, got {s.c_dtype!r}"),
     Rule("b-layout", lambda s: s.b_layout in B_LAYOUTS,
-         lambda s: f"b_layout is one of {B_LAYOUTS} (B as N×K, an nn.Linear weight), got {s.b_layout!r}"),
+         lambda s: f"b_layout is one of {B_LAYOUTS} (nk: B as N×K, an nn.Linear weight; kn: K×N), got {s.b_layout!r}"),
 )
 
 
@@ -192,6 +202,11 @@ _RULES: tuple[Rule, ...] = (
          lambda s, p: f"a Hilbert order lists its {int(np.prod(_units(s, p)))} tiles in constant memory, at most "
                       f"{MAX_ORDER_TABLE}; use order grouped"),
     Rule("cluster", lambda s, p: p.cluster in CLUSTERS, lambda s, p: f"cluster is one of {CLUSTERS} CTAs, got {p.cluster}"),
+    # an N-major B tile arrives as boxes of 64 columns (128 bytes, the swizzle's span), each CTA of a cluster
+    # copying whole boxes
+    Rule("b-layout", lambda s, p: s.b_layout == "nk" or p.bn % (64 * p.cluster) == 0,
+         lambda s, p: f"with B K×N (kn) the B tile comes in boxes of 64 columns: bn={p.bn} must be a multiple of "
+                      f"{64 * p.cluster}" + (" under a cluster of 2" if p.cluster > 1 else "")),
     Rule("registers", lambda s, p: p.producer_regs == 0 or (p.producer_regs % 8 == 0 and 24 <= p.producer_regs <= 256),
          lambda s, p: f"producer_regs is 0 (no setmaxnreg) or a multiple of 8 in 24..256, got {p.producer_regs}"),
     Rule("registers", _register_room,
@@ -290,13 +305,20 @@ class GemmSm90:
         """The TMA tensor maps the kernel takes after its pointers, in order: which tensor each maps and how."""
         out = OUTPUTS[shape.c_dtype]
         row = shape.lda * 2
+        # each CTA of a cluster copies its share of the B tile's rows (nk), or of its 64-column boxes (kn)
+        b = (TensorMapSpec("B", "bfloat16", (shape.k, shape.n), (row,), (BK, p.bn // self.b_sharers(p)), SWIZZLE, 256)
+             if shape.b_layout == "nk" else
+             TensorMapSpec("B", "bfloat16", (shape.n, shape.k), (shape.ldb * 2,), (64, BK), SWIZZLE, 256))
         maps = {"tma_a": TensorMapSpec("A", "bfloat16", (shape.k, shape.m), (row,), (BK, p.bm), SWIZZLE, 256),
-                # each CTA of a cluster copies its share of the B tile's rows
-                "tma_b": TensorMapSpec("B", "bfloat16", (shape.k, shape.n), (row,), (BK, p.bn // p.cluster), SWIZZLE, 256)}
+                "tma_b": b}
         if epilogue(shape, p) == "tma":
             maps["tma_c"] = TensorMapSpec("C", out.name, (shape.n, shape.m), (shape.n * out.itemsize,),
                                           (128 // out.itemsize, p.bm // p.consumers), SWIZZLE, 0)
         return maps
+
+    def b_sharers(self, p: Params) -> int:
+        """CTAs that copy a part of the B tile each into all of them (multicast): the cluster's."""
+        return p.cluster
 
     # ---- generation ----
     def kernel_name(self, shape: Shape, p: Params) -> str:
@@ -313,12 +335,13 @@ class GemmSm90:
         c_stage = p.bm * p.bn * out.itemsize if epilogue(shape, p) == "tma" else 0
         return dict(
             M=shape.m, N=shape.n, K=shape.k, BM=p.bm, BN=p.bn, BK=BK, STAGES=p.stages, CONSUMERS=p.consumers,
-            THREADS=p.threads, TILES_M=tiles_m, CLUSTER=p.cluster, UNITS_M=units_m, UNITS_N=units_n,
+            THREADS=p.threads, TILES_M=tiles_m, CLUSTER=p.cluster, SHARE=self.b_sharers(p), KSTEP=KSTEP, UNITS_M=units_m, UNITS_N=units_n,
             UNITS=units_m * units_n, KBLOCKS=-(-shape.k // BK),
             HILBERT=[r << 16 | c for r, c in hilbert_order(units_m, units_n)] if p.order == "hilbert" else [],
             KSTEPS=BK // KSTEP, KSTEP_BYTES=KSTEP * 2, MI=p.bm // p.consumers // 64, ACC=p.bn // 2,
             A_BYTES=p.bm * BK * 2, B_BYTES=p.bn * BK * 2, STAGE_BYTES=stage_bytes,
-            CONSUMER_A_BYTES=p.bm // p.consumers * BK * 2,
+            CONSUMER_A_BYTES=p.bm // p.consumers * BK * 2, B_KN=shape.b_layout == "kn", B_BOXES=p.bn // 64,
+            B_LBO=BK * 128,  # a K×N B tile: from one box of 64 columns to the next
             C_STAGE_AT=p.stages * stage_bytes, C_STAGE_BYTES=c_stage, BARRIERS_AT=p.stages * stage_bytes + c_stage,
             C_BOX_COLS=128 // out.itemsize, C_BOX_BYTES=p.bm // p.consumers * 128, C_BOXES=p.bn * out.itemsize // 128,
             C_TYPE=out.c_type, C_PTX=out.ptx, C_PAIRS=shape.n % 2 == 0,
@@ -343,12 +366,13 @@ class GemmSm90:
 
     def make_inputs(self, shape: Shape, run: dict[str, int], rng: np.random.Generator) -> dict[str, np.ndarray]:
         """A and B with rows of lda elements; the padding past K is NaN, so a kernel that read it would fail."""
-        def rows(count: int) -> np.ndarray:
-            held = np.full((count, shape.lda), BFLOAT16.nan_bits & 0xFFFF, dtype=np.uint16)
-            held[:, :shape.k] = BFLOAT16.round(rng.standard_normal((count, shape.k), dtype=np.float32))
+        def rows(count: int, length: int, stride: int) -> np.ndarray:
+            held = np.full((count, stride), BFLOAT16.nan_bits & 0xFFFF, dtype=np.uint16)
+            held[:, :length] = BFLOAT16.round(rng.standard_normal((count, length), dtype=np.float32))
             return held
 
-        return {"A": rows(shape.m), "B": rows(shape.n)}
+        b = (shape.n, shape.k) if shape.b_layout == "nk" else (shape.k, shape.n)
+        return {"A": rows(shape.m, shape.k, shape.lda), "B": rows(*b, shape.ldb)}
 
     def output_shapes(self, shape: Shape, run: dict[str, int]) -> dict[str, tuple[int, ...]]:
         return {"C": (shape.m, shape.n)}
@@ -361,14 +385,16 @@ class GemmSm90:
         return accumulation + (2 * dtype.unit_roundoff if dtype.itemsize == 2 else 0.0)
 
     def reference(self, shape: Shape, inputs: dict[str, np.ndarray], scalars: dict[str, int | float]) -> dict[str, np.ndarray]:
-        a, b = (BFLOAT16.widen(inputs[name][:, :shape.k]).astype(np.float64) for name in ("A", "B"))
-        return {"C": a @ b.T}
+        a = BFLOAT16.widen(inputs["A"][:, :shape.k]).astype(np.float64)
+        if shape.b_layout == "nk":
+            return {"C": a @ BFLOAT16.widen(inputs["B"][:, :shape.k]).astype(np.float64).T}
+        return {"C": a @ BFLOAT16.widen(inputs["B"][:, :shape.n]).astype(np.float64)}
 
     def gate_runs(self, shape: Shape, run: dict[str, int], params: Params) -> list[dict[str, int]]:
         return [{}]
 
     def bytes_moved(self, shape: Shape, run: dict[str, int]) -> int:
-        return 2 * (shape.m + shape.n) * shape.k + OUTPUTS[shape.c_dtype].itemsize * shape.m * shape.n
+        return 2 * (shape.m + shape.n) * shape.k + OUTPUTS[shape.c_dtype].itemsize * shape.m * shape.n  # either layout
 
     def flops(self, shape: Shape) -> int:
         return 2 * shape.m * shape.n * shape.k
@@ -379,16 +405,19 @@ class GemmSm90:
         # wants 16 bytes
         c_align = 16 if epilogue(shape, p) == "tma" else (2 * out.itemsize if shape.n % 2 == 0 else out.itemsize)
 
-        def operand(rows: int, what: str) -> dict[str, Any]:
-            return {"dtype": "bfloat16", "shape": [rows, shape.k],
-                    "layout": f"row-major ({what}), row stride {shape.lda} elements (K rounded up to 16 bytes)",
+        def operand(rows: int, cols: int, stride: int, what: str) -> dict[str, Any]:
+            return {"dtype": "bfloat16", "shape": [rows, cols],
+                    "layout": f"row-major ({what}), row stride {stride} elements (a row rounded up to 16 bytes)",
                     "alignment_bytes": 16}
+
+        b = (operand(shape.n, shape.k, shape.ldb, "N×K: C = A·Bᵀ") if shape.b_layout == "nk"
+             else operand(shape.k, shape.n, shape.ldb, "K×N: C = A·B"))
 
         return {
             "tensors": {"C": {"dtype": out.name, "shape": [shape.m, shape.n],
                               "layout": f"row-major, contiguous, row stride {shape.n} elements",
                               "alignment_bytes": c_align},
-                        "A": operand(shape.m, "M×K"), "B": operand(shape.n, "N×K: C = A·Bᵀ")},
+                        "A": operand(shape.m, shape.k, shape.lda, "M×K"), "B": b},
             "aliasing": "C must not overlap A or B (no in-place use): every pointer is declared __restrict__",
             "scalars": {},
             "tensor_maps": {name: spec.to_dict() for name, spec in self.tensor_maps(shape, p).items()},
