@@ -7,13 +7,15 @@
 Modules: parse (PTX text → statements), program (operands, decoded entry), alu / memops (one builder
 per opcode), decode (statements → instructions), fp (fp32 rounding), memory (global and shared memory
 with fault and race checks), warp (32 lanes, min-PC reconvergence, cp.async groups), launch (blocks,
-barriers), gate (an op variant as the gate runs it).
+barriers, warps scheduled around their waits), hopper (mbarriers, TMA over tensor maps, wgmma over
+descriptors and swizzles, the proxy fence), gate (an op variant as the gate runs it).
 """
 
 from mage_gen.interp.errors import (DivergenceError, InterpError, MemoryFault, RaceError, StaleReadError,
                                     UnknownInstruction)
 from mage_gen.interp.gate import gate, launch_with, run_once, worst_error
+from mage_gen.interp.hopper import HangError, TensorMap
 from mage_gen.interp.launch import Stats, run
 
 __all__ = ["run", "Stats", "gate", "launch_with", "run_once", "worst_error", "InterpError", "UnknownInstruction", "MemoryFault",
-           "RaceError", "StaleReadError", "DivergenceError"]
+           "RaceError", "StaleReadError", "DivergenceError", "HangError", "TensorMap"]

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from mage_gen.interp import alu, memops, tensor
+import numpy as np
+
+from mage_gen.interp import alu, hopper, memops, tensor
 from mage_gen.interp.errors import InterpError, UnknownInstruction
 from mage_gen.interp.parse import Entry, parse
 from mage_gen.interp.program import BAR, BRA, EXIT, OP, Decoder, Instr, Program
 
-_BUILDERS = {**alu.BUILDERS, **memops.BUILDERS, **tensor.BUILDERS}
+_BUILDERS = {**alu.BUILDERS, **memops.BUILDERS, **tensor.BUILDERS, **hopper.BUILDERS}
+# what makes a block keep the asynchronous proxy's state (hopper.AsyncState)
+_ASYNC = {"mbarrier", "wgmma", "fence", "stmatrix"}
 
 
 def _control(dec: Decoder, st, parts) -> tuple[int, int]:
@@ -25,10 +29,19 @@ def _control(dec: Decoder, st, parts) -> tuple[int, int]:
         if parts[1:] not in ([], ["uni"]):
             raise UnknownInstruction(f"{parts[0]} modifier(s) {parts[1:]}")
         return EXIT, -1
-    # bar.sync 0 / barrier.sync 0 / bar.sync 0, <all threads>: the only barrier form the templates use
-    if parts[1:] not in (["sync"], ["sync", "aligned"]) or st.operands[:1] != ("0",) or len(st.operands) > 1:
-        raise UnknownInstruction("only 'bar.sync 0' (every thread of the block) is implemented")
+    if parts[1:2] == ["cluster"]:
+        raise UnknownInstruction("cluster barriers: clusters are not modeled here (run cluster 1 on the interpreter)")
+    # bar.sync 0 (every thread of the block), or bar.sync id, count (a named barrier of count threads)
+    if parts[1:] not in (["sync"], ["sync", "aligned"]) or not 1 <= len(st.operands) <= 2:
+        raise UnknownInstruction("only bar.sync id[, count] is implemented")
     return BAR, -1
+
+
+def _barrier_operands(dec, st):
+    """r -> (barrier id, threads it waits for or None: every thread of the block) of a bar.sync."""
+    ident = dec.src(st.operands[0], np.uint32)
+    count = dec.src(st.operands[1], np.uint32) if len(st.operands) > 1 else None
+    return lambda r: (ident(r), None if count is None else count(r))
 
 
 def decode_entry(entry: Entry) -> Program:
@@ -42,11 +55,14 @@ def decode_entry(entry: Entry) -> Program:
                 guard = dec.slot(st.guard.lstrip("!"))
             if parts[0] in ("bra", "ret", "exit", "bar", "barrier"):
                 kind, target = _control(dec, st, parts)
-                ins = Instr(kind, None, guard, neg, target, st.line, st.text, uni="uni" in parts[1:])
+                ins = Instr(kind, _barrier_operands(dec, st) if kind == BAR else None, guard, neg, target, st.line,
+                            st.text, uni="uni" in parts[1:])
             else:
                 builder = _BUILDERS.get(parts[0])
                 if builder is None:
                     raise UnknownInstruction("unknown instruction")
+                if parts[0] in _ASYNC or parts[:3] == ["cp", "async", "bulk"]:
+                    dec.prog.async_proxy = True
                 ins = Instr(OP, builder(dec, st, parts), guard, neg, -1, st.line, st.text)
         except UnknownInstruction as exc:
             raise UnknownInstruction(f"line {st.line}: {st.opcode}: {exc} (in {st.text!r})") from None

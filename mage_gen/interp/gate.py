@@ -8,7 +8,9 @@ from typing import Any
 import numpy as np
 
 from mage_gen.interp.errors import InterpError
+from mage_gen.interp.hopper import TensorMap
 from mage_gen.interp.launch import Stats, run
+from mage_gen.ops.base import tensor_maps
 from mage_gen.measure import GateResult, compare_outputs, relative_error, widen
 
 
@@ -32,6 +34,8 @@ def launch_with(op, shape: Any, variant: Any, run_sizes: dict[str, int], inputs:
             args.append(int(scalars[arg.name]))
         else:
             args.append(float(np.float32(scalars[arg.name])))
+    pointers = {arg.name: array for arg, array in zip(op.args(shape), args) if isinstance(array, np.ndarray)}
+    args += [TensorMap(spec, pointers[spec.tensor]) for spec in tensor_maps(op, shape, variant.params).values()]
     run(variant.compiled.ptx, variant.source.kernel_name, launch.grid, launch.block, launch.dynamic_shared_bytes,
         args, stats)
     return outputs

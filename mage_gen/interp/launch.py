@@ -10,9 +10,10 @@ import numpy as np
 
 from mage_gen.interp.decode import decode
 from mage_gen.interp.errors import InterpError
+from mage_gen.interp.hopper import AsyncState, HangError, TensorMap
 from mage_gen.interp.memory import Global, Shared
 from mage_gen.interp.program import LANES, Program
-from mage_gen.interp.warp import Warp
+from mage_gen.interp.warp import BARRIER, DONE, Warp
 
 _PACK = {"u8": "<B", "s8": "<b", "b8": "<B", "u16": "<H", "s16": "<h", "b16": "<H", "u32": "<I", "s32": "<i",
          "b32": "<I", "u64": "<Q", "s64": "<q", "b64": "<Q", "f32": "<f", "f64": "<d"}
@@ -47,6 +48,7 @@ class Block:
                  ctaid: tuple[int, int, int], ntid: tuple[int, int, int], nctaid: tuple[int, int, int]):
         self.prog, self.glob, self.params, self.ctaid, self.ntid = prog, glob, params, ctaid, ntid
         self.shared = Shared(shared_bytes)
+        self.asyncs = AsyncState(self.shared.words.size) if prog.async_proxy else None
         n = ntid[0] * ntid[1] * ntid[2]
         self.first_tid = n * (ctaid[0] + nctaid[0] * (ctaid[1] + nctaid[1] * ctaid[2]))  # launch-wide id of tid 0
         self.warps = []
@@ -66,15 +68,71 @@ class Block:
         return describe_thread(tid, self.ntid, self.ctaid)
 
     def run(self, stats: Stats) -> None:
+        """The warps in turn, each until it waits (a barrier, an mbarrier phase) or exits; a barrier lets its warps
+        go once all it waits for are there; a warp whose mbarrier wait failed runs again once something changed.
+        Where nothing can change any more, the block hangs (HangError)."""
         while True:
-            waiting = [w for w in self.warps if not w.done and w.run()]
-            if not waiting:
+            ran = False
+            for w in self.warps:
+                if w.done or w.barrier is not None:
+                    continue
+                if w.waiting is not None and w.waiting[2] == self._epoch():
+                    continue  # nothing it could be waiting for has happened since it last tried
+                w.run()
+                ran = True
+            released = self._release(stats)
+            if all(w.done for w in self.warps):
                 break
-            # exited threads count as arrived; every other thread is at this barrier
-            stats.barriers += 1
-            self.shared.new_interval()
+            if not ran and not released:
+                raise HangError(f"every warp of block {self.ctaid} waits and nothing it waits for can happen: "
+                                + "; ".join(self._wait_of(w) for w in self.warps if not w.done))
         for w in self.warps:  # copies never waited for never land: nothing may read them anyway
             stats.warp_steps += w.steps
+
+    def _epoch(self) -> int:
+        return self.asyncs.epoch if self.asyncs is not None else 0
+
+    def _release(self, stats: Stats) -> bool:
+        """Lets go the warps of every barrier that has all it waits for; whether any went. bar.sync 0 waits for every
+        thread that has not exited; a named barrier for its count of threads, a warp arriving for all 32."""
+        live = [w for w in self.warps if not w.done]
+        at: dict[int, list] = {}
+        for w in live:
+            if w.barrier is not None:
+                at.setdefault(w.barrier[0], []).append(w)
+        released = False
+        for ident, warps in at.items():
+            counts = {w.barrier[1] for w in warps}
+            if len(counts) > 1:
+                raise InterpError(f"block {self.ctaid}: warps wait at barrier {ident} for different counts {counts}")
+            count = counts.pop()
+            if count is None:
+                if len(warps) < len(live):
+                    continue
+                self.shared.new_interval()
+            else:
+                if LANES * len(warps) < count:
+                    continue
+                if LANES * len(warps) > count:
+                    raise InterpError(f"block {self.ctaid}: {LANES * len(warps)} threads at barrier {ident}, which "
+                                      f"waits for {count}")
+                self.shared.new_interval(np.concatenate([w.tids[w.tids >= 0] for w in warps]))
+            for w in warps:
+                w.barrier = None
+            stats.barriers += 1
+            if self.asyncs is not None:
+                self.asyncs.epoch += 1
+            released = True
+        return released
+
+    def _wait_of(self, w) -> str:
+        first = self.describe(int(w.tids[w.live][0]))
+        if w.barrier is not None:
+            return f"warp {w.index} (from {first}) at barrier {w.barrier[0]}"
+        addr, parity, _ = w.waiting
+        bar = self.asyncs.barriers[addr]
+        return (f"warp {w.index} (from {first}) on the mbarrier at {addr:#x} for parity {parity} "
+                f"({bar.describe()})")
 
 
 def _params(prog: Program, args: list) -> tuple[bytes, list[np.ndarray]]:
@@ -86,10 +144,16 @@ def _params(prog: Program, args: list) -> tuple[bytes, list[np.ndarray]]:
         if not a.flags.c_contiguous:
             raise InterpError("array arguments must be C-contiguous (results are copied back into them)")
     glob = Global(arrays)
+    address_of = {id(a): glob.addresses[i] for i, a in enumerate(arrays)}
     buf = bytearray(params[-1].offset + params[-1].size if params else 0)
     k = 0
     for p, a in zip(params, args):
-        if isinstance(a, np.ndarray):
+        if isinstance(a, TensorMap):
+            if p.size != len(a.encode(0)) or id(a.array) not in address_of:
+                raise InterpError(f"parameter {p.name} ({p.size} bytes) takes a tensor map of an array that is also "
+                                  "passed as a pointer argument")
+            buf[p.offset:p.offset + p.size] = a.encode(address_of[id(a.array)])
+        elif isinstance(a, np.ndarray):
             if p.size != 8:
                 raise InterpError(f"parameter {p.name} is .{p.type}, not a pointer")
             value = glob.addresses[k]

@@ -13,7 +13,7 @@ import numpy as np
 
 from mage_gen.interp.alu import TYPES, type_of
 from mage_gen.interp.errors import DivergenceError, InterpError, UnknownInstruction
-from mage_gen.interp.program import DTYPES, LANES, Decoder, parse_int
+from mage_gen.interp.program import CONST_GENERIC_BASE, DTYPES, LANES, Decoder, parse_int
 
 _SPACES = {"global", "shared", "shared::cta", "param", "local", "const"}
 _IGNORED = re.compile(r"^(nc|ca|cg|cs|lu|cv|wb|wt|weak|volatile|relaxed|cta|gpu|sys|L1::\w+|L2::(64B|128B|256B)"
@@ -27,7 +27,7 @@ def _space_and_width(parts: list[str]) -> tuple[str, int]:
     for p in parts[1:]:
         if p not in _SPACES and p not in TYPES and not _IGNORED.match(p):
             raise UnknownInstruction(f"modifier .{p} not implemented")
-    if space in ("local", "const"):
+    if space == "local":
         raise UnknownInstruction(f"{space} memory not implemented")
     return space, 4 if "v4" in parts else 2 if "v2" in parts else 1
 
@@ -82,6 +82,8 @@ def _ld(dec: Decoder, st, parts):
     wpe = _words_per(dt)
     base, off = dec.address(st.operands[1])
     policy = dec.src(st.operands[2], np.uint64) if hinted else None
+    if space == "const":
+        return _ld_const(dec, dsts, base, off, n * wpe, dt, widen, what)
 
     def fn(w, mask):
         addr = np.broadcast_to(base(w.r) + off, (LANES,))
@@ -100,11 +102,47 @@ def _ld(dec: Decoder, st, parts):
     return fn
 
 
+def _ld_const(dec: Decoder, dsts: list[int], base, off, nwords: int, dt, widen, what: str):
+    """A load from the module's .const arrays (read-only, the same for every thread)."""
+    data = np.frombuffer(dec.prog.constants, dtype=np.uint8)
+
+    def fn(w, mask):
+        sel = w.active(mask)
+        addr = np.broadcast_to(base(w.r) + off, (LANES,))[sel].astype(np.int64) - CONST_GENERIC_BASE
+        if ((addr < 0) | (addr + 4 * nwords > data.size) | (addr % min(4 * nwords, 16) != 0)).any():
+            raise InterpError(f"{what}: a constant-memory load outside the module's .const arrays (or misaligned)")
+        raw = data[addr[:, None] + np.arange(4 * nwords)[None, :]]
+        vals = np.ascontiguousarray(raw).view(dt)
+        if widen is not None:
+            vals = vals.astype(widen)
+        for j, d in enumerate(dsts):
+            w.put_lanes(d, vals[:, j], mask)
+    return fn
+
+
+def _st16(dec: Decoder, st, space: str, dt):
+    """A 2-byte global store (memory.Global.write16)."""
+    if space != "global":
+        raise UnknownInstruction("2-byte stores to shared memory not implemented")
+    src = dec.src(st.operands[1], dt)
+    base, off = dec.address(st.operands[0])
+    what = f"line {st.line}: {st.text}"
+
+    def fn(w, mask):
+        sel = w.active(mask)
+        addr = np.broadcast_to(base(w.r) + off, (LANES,))[sel].astype(np.uint64)
+        w.block.glob.write16(addr, np.broadcast_to(src(w.r), (LANES,))[sel].view(np.uint16), w.tids[sel],
+                             w.block.describe, what)
+    return fn
+
+
 def _st(dec: Decoder, st, parts):
     space, n = _space_and_width(parts)
     if space == "param":
         raise UnknownInstruction("st.param not implemented")
     dt = DTYPES[type_of(parts)]
+    if np.dtype(dt).itemsize == 2 and n == 1:
+        return _st16(dec, st, space, dt)
     srcs = [dec.src(x, dt) for x in dec.vector(st.operands[1])]
     if len(srcs) != n:
         raise UnknownInstruction(f"{n} sources expected")
@@ -140,6 +178,10 @@ def _cp_async(dec: Decoder, st, parts):
         return wait_all
     if q[:4] == ["bulk", "prefetch", "L2", "global"]:
         return _prefetch_l2(dec, st, q[4:])
+    if q[0] == "bulk":
+        from mage_gen.interp.hopper import cp_bulk  # TMA copies and their bulk groups
+
+        return cp_bulk(dec, st, parts)
     if q[0] not in ("ca", "cg") or len(q) < 3 or q[1] not in ("shared", "shared::cta") or q[2] != "global":
         raise UnknownInstruction("cp.async form not implemented")
     extra = [p for p in q[3:] if not re.match(r"L2::(64B|128B|256B)$", p)]

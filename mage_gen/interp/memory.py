@@ -91,6 +91,12 @@ class Global:
         idx = self._index(addr, 4 * nwords, tids, describe, what)
         return self.words[idx[:, None] + np.arange(nwords)]
 
+    def write16(self, addr, values: np.ndarray, tids, describe: Describe, what: str) -> None:
+        """2-byte stores of uint16 values at 2-byte-aligned addresses inside a buffer; not race-checked (ownership
+        is kept per word, and two threads may own the two halves of one)."""
+        self._index(addr, 2, tids, describe, what)
+        self.words.view(np.uint16)[((addr.astype(np.uint64) - np.uint64(GLOBAL_BASE)) >> np.uint64(1)).astype(np.int64)] = values
+
     def write(self, addr, values: np.ndarray, tids, describe: Describe, what: str, owners=None) -> None:
         """Store; with owners (launch-wide thread ids), two threads storing to one word is a RaceError:
         which value a GPU would keep is undefined (the templates never store a word twice)."""
@@ -124,9 +130,15 @@ class Shared:
         self.reader = np.full(n, NONE, dtype=np.int32)
         self.pending = np.full(n, NONE, dtype=np.int32)  # thread whose cp.async is filling the word
 
-    def new_interval(self) -> None:
-        self.writer.fill(NONE)
-        self.reader.fill(NONE)
+    def new_interval(self, tids: np.ndarray | None = None) -> None:
+        """A barrier: every access before it is ordered before every one after it; with tids (a named barrier),
+        only those threads' accesses."""
+        if tids is None:
+            self.writer.fill(NONE)
+            self.reader.fill(NONE)
+            return
+        for table in (self.writer, self.reader):
+            table[np.isin(table, tids)] = NONE
 
     def index(self, addr, nwords: int, tids, describe: Describe, what: str) -> np.ndarray:
         """(lanes, nwords) word indices; a MemoryFault outside the block's shared memory."""

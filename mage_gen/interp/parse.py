@@ -46,6 +46,7 @@ class Entry:
     shared: list[SharedVar] = field(default_factory=list)  # in declaration order (module ones first)
     labels: dict[str, int] = field(default_factory=dict)  # label -> index of the next statement
     body: list[Statement] = field(default_factory=list)
+    constants: dict[str, bytes] = field(default_factory=dict)  # module .const arrays of bytes, by name
 
 
 _COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
@@ -53,6 +54,9 @@ _SHARED = re.compile(r"^(?:\.extern\s+)?\.shared\s+(?:\.align\s+(\d+)\s+)?\.(\w+
 _REG = re.compile(r"^\.reg\s+\.(\w+)\s+(.+)$")
 _PARAM = re.compile(r"^\.param\s+(?:\.align\s+(\d+)\s+)?\.(\w+)\s+([\w$]+)(?:\[(\d+)\])?$")
 _ENTRY = re.compile(r"\.entry\s+([\w$]+)\s*\((.*?)\)", re.S)
+# a module-scope .const array of bytes with its initial values (what NVRTC makes of a __constant__ table)
+_CONST = re.compile(r"^[ \t]*\.const\s+(?:\.align\s+\d+\s+)?\.(\w+)\s+([\w$]+)\s*\[(\d+)\]\s*(?:=\s*\{([^}]*)\})?\s*;",
+                    re.M)
 
 
 def split_operands(text: str) -> tuple[str, ...]:
@@ -102,6 +106,13 @@ def _add_shared(entry_or_list: list[SharedVar], m: re.Match) -> None:
 def parse(ptx: str) -> dict[str, Entry]:
     """Every .entry of the module, by name."""
     module_shared: list[SharedVar] = []
+    constants: dict[str, bytes] = {}
+    for cm in _CONST.finditer(_COMMENT.sub("", ptx)):
+        typ, name, count, values = cm.groups()
+        if typ not in ("b8", "u8"):
+            raise InterpError(f"a .const array of .{typ} is not supported (bytes only)")
+        data = bytes(int(v, 0) & 0xFF for v in values.split(",")) if values else b""
+        constants[name] = data.ljust(int(count), b"\0")
     entries: dict[str, Entry] = {}
     pos = 0
     for m in _ENTRY.finditer(ptx):
@@ -135,6 +146,7 @@ def parse(ptx: str) -> dict[str, Entry]:
             i += 1
         body_line = ptx.count("\n", 0, open_at) + 1
         entry.shared.extend(module_shared)
+        entry.constants = constants
         for line, st in _statements(ptx[open_at + 1:i], body_line):
             if st.endswith(":"):
                 entry.labels[st[:-1].strip()] = len(entry.body)

@@ -23,6 +23,7 @@ DTYPES = {"pred": np.bool_, "b8": np.uint8, "u8": np.uint8, "s8": np.int8, "b16"
 SPECIALS = ("%tid.x", "%tid.y", "%tid.z", "%ntid.x", "%ntid.y", "%ntid.z", "%ctaid.x", "%ctaid.y", "%ctaid.z",
             "%nctaid.x", "%nctaid.y", "%nctaid.z", "%laneid", "%warpid")
 LANES = 32
+CONST_GENERIC_BASE = 0x7C00_0000_0000  # address of the module's first .const byte
 
 
 @dataclass(slots=True)
@@ -46,6 +47,9 @@ class Program:
     shared_offsets: dict[str, int] = field(default_factory=dict)  # shared symbol -> window address
     static_shared: int = 0  # bytes before the dynamic (extern) array
     dynamic_align: int = 16
+    async_proxy: bool = False  # uses mbarriers, TMA or wgmma: its blocks keep hopper.AsyncState
+    constants: bytes = b""  # the module's .const arrays, one after another (const_offsets)
+    const_offsets: dict[str, int] = field(default_factory=dict)
 
 
 def view(x: np.ndarray, dt) -> np.ndarray:
@@ -109,6 +113,9 @@ class Decoder:
             self.prog.shared_offsets[var.name] = offset
             offset += var.size
         self.prog.static_shared = offset
+        for name, data in entry.constants.items():
+            self.prog.const_offsets[name] = CONST_GENERIC_BASE + len(self.prog.constants)
+            self.prog.constants += data.ljust(-(-len(data) // 16) * 16, b"\0")
         self.dynamic_names = [v.name for v in entry.shared if v.size == 0]
         self.params = {p.name: p for p in entry.params}
         for name in SPECIALS:
@@ -119,9 +126,11 @@ class Decoder:
         return -(-self.prog.static_shared // a) * a
 
     def symbol(self, name: str) -> int | None:
-        """Shared-window address of a shared variable, or None."""
+        """Shared-window address of a shared variable, the address of a .const array, or None."""
         if name in self.prog.shared_offsets:
             return self.prog.shared_offsets[name]
+        if name in self.prog.const_offsets:
+            return self.prog.const_offsets[name]
         if name in self.dynamic_names:
             return self.dynamic_base()
         return None
@@ -135,6 +144,10 @@ class Decoder:
         if name in SPECIALS:
             return "u32"
         raise InterpError(f"undeclared register {name}")
+
+    def is_register(self, text: str) -> bool:
+        """%name, or a name a .reg declared without the % (as inline assembly often names its own)."""
+        return text.startswith("%") or text in self.entry.reg_types
 
     def slot(self, name: str) -> int:
         s = self.prog.slots.get(name)
@@ -150,7 +163,7 @@ class Decoder:
         neg = text.startswith("!")
         if neg:
             text = text[1:]
-        if text.startswith("%"):
+        if self.is_register(text):
             s = self.slot(text)
             if neg:
                 return lambda r: ~r[s]
@@ -173,7 +186,7 @@ class Decoder:
         text = text.strip()
         if text == "_":
             return -1
-        if not text.startswith("%"):
+        if not self.is_register(text):
             raise UnknownInstruction(f"destination {text!r} is not a register")
         return self.slot(text)
 
@@ -195,7 +208,7 @@ class Decoder:
             raise UnknownInstruction(f"address operand {text!r} not understood")
         base = m.group(1)
         off = np.uint64((parse_int(m.group(2)) if m.group(2) else 0) & 0xFFFFFFFFFFFFFFFF)
-        if base.startswith("%"):
+        if self.is_register(base):
             s = self.slot(base)
             return (lambda r: view(r[s], np.uint64) if r[s].dtype.itemsize == 8 else r[s].astype(np.uint64)), off
         if base in self.params:

@@ -14,11 +14,12 @@ from mage_gen.interp.program import BAR, BRA, LANES, OP, view
 
 INF = 1 << 60
 ALL = np.ones(LANES, dtype=bool)
+BARRIER, SPIN, DONE = "barrier", "spin", "done"  # why run() returned
 
 
 class Warp:
     def __init__(self, block, prog, index: int, tids: np.ndarray, specials: dict[str, np.ndarray]):
-        self.block, self.prog, self.instrs = block, prog, prog.instrs
+        self.block, self.prog, self.instrs, self.index = block, prog, prog.instrs, index
         zeros = {dt: np.zeros(LANES, dtype=dt) for dt in set(prog.slot_dtypes)}
         self.r = [zeros[dt] for dt in prog.slot_dtypes]
         for name, values in specials.items():
@@ -33,6 +34,17 @@ class Warp:
         self.cp_open: list[list] = []  # issued, not committed: [lanes, idx, data, tids]
         self.cp_groups: list[list] = []  # committed: [lanes mask, records]
         self.steps = 0
+        self.barrier: tuple[int, int | None] | None = None  # (id, threads or None: all) of the bar.sync it waits at
+        # the asynchronous proxy (interp/hopper.py): the try_wait that failed last (mbarrier address, parity, the
+        # block's epoch then), the latest phase seen complete of each mbarrier, wgmma issued and not yet waited for
+        # (the open group, the committed groups, each register's value once they complete), TMA stores by thread
+        self.waiting: tuple[int, int, int] | None = None
+        self.observed: dict[int, int] = {}
+        self.wgmma_open: list = []
+        self.wgmma_groups: list[list] = []
+        self.wgmma_shadow: dict[int, np.ndarray] = {}
+        self.bulk_open: dict[int, list] = {}
+        self.bulk_groups: dict[int, list[list]] = {}
 
     # ---- register writes ----
     def put(self, d: int, value: np.ndarray, m) -> None:
@@ -105,7 +117,10 @@ class Warp:
             if where == "global":
                 b.glob.write(a, v, tids, b.describe, what, tids + b.first_tid)
             else:
-                b.shared.write(b.shared.index(a, v.shape[1], tids, b.describe, what), tids, v, b.describe, what)
+                idx = b.shared.index(a, v.shape[1], tids, b.describe, what)
+                if b.asyncs is not None:
+                    b.asyncs.generic_write(idx, tids, b.describe, what)
+                b.shared.write(idx, tids, v, b.describe, what)
 
     def prefetch_l2(self, addr, sizes: np.ndarray, sel, what: str, keep: bool = False) -> None:
         """keep: under an evict-last policy, so every line the bytes touch is kept until released."""
@@ -207,11 +222,13 @@ class Warp:
         self.mask = None if group.all() else group
         return new
 
-    def run(self) -> bool:
-        """Execute until a barrier (True) or until every lane has exited (False)."""
+    def run(self) -> str:
+        """Execute until a barrier (BARRIER, self.barrier saying which), a try_wait on an mbarrier phase not yet
+        complete (SPIN: the others run before it tries again), or until every lane has exited (DONE)."""
         instrs, r = self.instrs, self.r
         pc, mask = self.pc, self.mask
         steps = 0
+        self.waiting = None
         try:
             while True:
                 ins = instrs[pc]
@@ -234,6 +251,10 @@ class Warp:
                 if kind == OP:
                     ins.fn(self, m)
                     pc += 1
+                    if self.waiting is not None:
+                        self.pc, self.mask = pc, mask
+                        self.steps += steps
+                        return SPIN
                 elif kind == BRA:
                     cur = ALL if mask is None else mask
                     if m is None or m is mask or (m == cur).all():  # every running lane branches
@@ -251,9 +272,14 @@ class Warp:
                     if ins.guard >= 0 or self.other_min != INF:
                         raise DivergenceError(f"line {ins.line}: {ins.text}: bar.sync reached by part of a "
                                               f"diverged warp ({self.block.describe(int(self.tids[self.live][0]))}'s)")
+                    ident, count = ins.fn(r)
+                    ident, count = np.unique(np.asarray(ident)), None if count is None else np.unique(np.asarray(count))
+                    if ident.size != 1 or (count is not None and count.size != 1):
+                        raise DivergenceError(f"line {ins.line}: {ins.text}: the lanes name different barriers")
+                    self.barrier = (int(ident[0]), None if count is None else int(count[0]))
                     self.pc, self.mask = pc + 1, mask
                     self.steps += steps
-                    return True
+                    return BARRIER
                 else:  # EXIT
                     cur = ALL if mask is None else mask
                     leaving = cur if m is None else m
@@ -261,7 +287,7 @@ class Warp:
                     if not self.live.any():
                         self.done = True
                         self.steps += steps
-                        return False
+                        return DONE
                     remaining = cur & ~leaving
                     if remaining.any():
                         mask = remaining
