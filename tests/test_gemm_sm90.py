@@ -16,7 +16,7 @@ from mage_gen import interp
 from mage_gen.dtypes import BFLOAT16
 from mage_gen.errors import ConfigError
 from mage_gen.ops import get_op
-from mage_gen.ops.gemm_sm90 import consumer_regs, hilbert_order
+from mage_gen.ops.gemm_sm90 import consumer_regs, consumer_rows, hilbert_order
 from mage_gen.space import draw, expand, load_space
 from mage_gen.variants import build, build_all
 
@@ -27,11 +27,12 @@ def test_every_quick_variant_compiles_to_the_instructions_its_params_imply():
     shape = OP.shape(m=4096, n=4096, k=4096)
     valid, rejected = expand(OP, shape, load_space(OP, "quick", shape, sms=132))
     assert valid and all(why.startswith(("shared-memory", "registers", "order")) for _, why in rejected), rejected
+    assert {p.schedule for p in valid} == {"cooperative", "pingpong"}
     for v in build_all(OP, shape, valid, "sm_90"):
         p, c = v.params, v.census
         assert v.compiled.arch == "sm_90a", "wgmma needs the arch-specific target"
         assert c.spill_bytes == 0 and c.stack_bytes == 0, v.source.kernel_name
-        slabs = p.bm // p.consumers // 64
+        slabs = consumer_rows(p) // 64
         # a stage is 64 deep: 4 k16 steps of every 64-row slab of a consumer's rows, as one group
         assert c.hopper[f"wgmma m64n{p.bn}k16.bf16"] == 4 * slabs
         assert c.hopper["wgmma.commit_group"] == 1 and c.hopper["wgmma.fence"] == 1
@@ -180,7 +181,8 @@ def _whole_numbers(shape, rng):
 
 @pytest.mark.parametrize("c_dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("b_layout", ["nk", "kn"])
-@pytest.mark.parametrize("values", [{}, {"epilogue": "tma", "stages": 3}, {"order": "hilbert", "inflight": 0, "grid": 1}])
+@pytest.mark.parametrize("values", [{}, {"epilogue": "tma", "stages": 3}, {"order": "hilbert", "inflight": 0, "grid": 1},
+                                    {"schedule": "pingpong", "consumers": 2, "grid": 1, "epilogue": "tma"}])
 def test_a_small_config_on_the_interpreter_matches_numpy_bit_for_bit_at_tails(c_dtype, b_layout, values):
     # M, N ≡ 1 mod 8 and K past a 64-deep stage; where N·size is not a multiple of 16 a TMA store is register stores
     n = 129 if values.get("epilogue") != "tma" else 136
@@ -205,6 +207,17 @@ def test_the_interpreter_catches_each_planted_bug(plant, caught):
     assert not result.passed and caught in result.reason, result.reason
 
 
+def test_pingpong_consumers_take_turns_so_that_no_stage_is_waited_for_a_phase_ahead():
+    # Without the turns, the consumer of a CTA's second tile, having let the first tile's stages go by, waited on a
+    # stage for parity 0 while that stage's barrier was two fills behind: the interpreter took the phase of two fills
+    # ago for it and ran into a hang (a GPU would read a stage not yet filled).
+    shape = OP.shape(m=257, n=200, k=150)
+    params = OP.params_from_dict({**SMALL, "bn": 16, "schedule": "pingpong", "consumers": 2})
+    variant = build(OP, shape, params, "sm_90")
+    assert variant.source.text.count("order_bar + 8 * consumer") == 1
+    assert interp.gate(OP, shape, variant, {}, np.random.default_rng(0)).passed
+
+
 def test_a_hang_names_each_warp_and_the_phase_it_waits_for():
     shape = OP.shape(m=64, n=64, k=64)
     variant = build(OP, shape, OP.params_from_dict({**SMALL, "plant": "phase"}), "sm_90")
@@ -220,7 +233,8 @@ def test_drawn_small_configs_pass_the_gate_on_the_interpreter(data):
     shape = OP.shape(m=data.draw(dims, label="m"), n=data.draw(dims, label="n"), k=data.draw(dims, label="k"),
                      c_dtype=data.draw(st.sampled_from(["bf16", "fp32"]), label="c_dtype"),
                      b_layout=data.draw(st.sampled_from(["nk", "kn"]), label="b_layout"))
-    space = load_space(OP, "full", shape).narrowed(bm=(64, 128), bn=(64, 128), cluster=(1,), grid=(0, 2, 3))
+    space = load_space(OP, "full", shape).narrowed(bm=(64, 128), bn=(64, 128), cluster=(1,), multicast=("b",),
+                                                   grid=(0, 2, 3))
     params = draw(OP, shape, space, random.Random(data.draw(st.integers(0, 2**32 - 1), label="params seed")))
     if params is None:
         reject()

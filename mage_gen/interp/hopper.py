@@ -461,25 +461,25 @@ def _wgmma(dec: Decoder, st, parts):
             _whole(w, mask, what)
             w.wgmma_groups.append(w.wgmma_open)
             w.wgmma_open = []
+            w.wgmma_committed += 1
+            state(w.block).epoch += 1  # a warp of its warpgroup may wait for this group
         return commit
     if op == "wait_group":
         n = parse_int(st.operands[0])
 
         def wait(w, mask):
             _whole(w, mask, what)
+            needed = w.wgmma_committed - n  # groups that must be complete, counted from the first
+            if needed <= w.wgmma_done:
+                return
+            # A group is the warpgroup's: it runs once all four warps have issued it, and completes for all of them.
+            group_warps = w.block.warps[w.index - w.index % 4:w.index - w.index % 4 + 4]
+            if any(peer.wgmma_committed < needed for peer in group_warps):
+                w.retry = ("wgmma", needed)  # a peer has not issued its part yet: this warp waits, and tries again
+                return
             a = state(w.block)
-            keep = max(0, len(w.wgmma_groups) - n)
-            for group in w.wgmma_groups[:keep]:
-                for slots, result, idx in group:
-                    for j, slot in enumerate(slots):
-                        w.put(slot, result[:, j], None)
-                        w.wgmma_shadow.pop(slot, None)
-                    a.wgmma_reading[idx] -= 1
-            w.wgmma_groups = w.wgmma_groups[keep:]
-            for group in w.wgmma_groups:  # results still pending keep their registers' future values
-                for slots, result, _ in group:
-                    for j, slot in enumerate(slots):
-                        w.wgmma_shadow[slot] = result[:, j]
+            for peer in group_warps:
+                _complete(peer, a, needed - peer.wgmma_done)
         return wait
     if op != "mma_async" or parts[2:4] != ["sync", "aligned"]:
         raise UnknownInstruction(f"wgmma.{op} form not implemented")
@@ -523,6 +523,22 @@ def _wgmma(dec: Decoder, st, parts):
         a.wgmma_reading[idx] += 1
         w.wgmma_open.append((d, result, idx))
     return fn
+
+
+def _complete(w, a: AsyncState, count: int) -> None:
+    """The warp's first `count` committed wgmma groups done: their results in its registers, their reads over."""
+    for group in w.wgmma_groups[:max(0, count)]:
+        for slots, result, idx in group:
+            for j, slot in enumerate(slots):
+                w.put(slot, result[:, j], None)
+            a.wgmma_reading[idx] -= 1
+    w.wgmma_groups = w.wgmma_groups[max(0, count):]
+    w.wgmma_done += max(0, count)
+    w.wgmma_shadow = {}
+    for group in [*w.wgmma_groups, w.wgmma_open]:  # results still pending: their registers' values to be
+        for slots, result, _ in group:
+            for j, slot in enumerate(slots):
+                w.wgmma_shadow[slot] = result[:, j]
 
 
 def _whole(w, mask, what: str) -> None:

@@ -129,6 +129,9 @@ class Block:
         first = self.describe(int(w.tids[w.live][0]))
         if w.barrier is not None:
             return f"warp {w.index} (from {first}) at barrier {w.barrier[0]}"
+        if w.waiting[0] == "wgmma":
+            return (f"warp {w.index} (from {first}) at a wgmma.wait_group for its warpgroup's group "
+                    f"{w.waiting[1]}, which another of its warps has not issued")
         addr, parity, _ = w.waiting
         bar = self.asyncs.barriers[addr]
         return (f"warp {w.index} (from {first}) on the mbarrier at {addr:#x} for parity {parity} "

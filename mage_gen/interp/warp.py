@@ -43,6 +43,8 @@ class Warp:
         self.wgmma_open: list = []
         self.wgmma_groups: list[list] = []
         self.wgmma_shadow: dict[int, np.ndarray] = {}
+        self.wgmma_committed = self.wgmma_done = 0  # groups committed, and completed, since the launch
+        self.retry: tuple | None = None  # an instruction that cannot go on yet (what it waits for): run again later
         self.bulk_open: dict[int, list] = {}
         self.bulk_groups: dict[int, list[list]] = {}
 
@@ -250,6 +252,12 @@ class Warp:
                 kind = ins.kind
                 if kind == OP:
                     ins.fn(self, m)
+                    if self.retry is not None:  # the same instruction again, once something has changed
+                        self.waiting = (*self.retry, self.block.asyncs.epoch)
+                        self.retry = None
+                        self.pc, self.mask = pc, mask
+                        self.steps += steps
+                        return SPIN
                     pc += 1
                     if self.waiting is not None:
                         self.pc, self.mask = pc, mask

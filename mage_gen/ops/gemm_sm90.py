@@ -46,6 +46,8 @@ MAX_SHARED_BYTES = 227 * 1024  # the opt-in limit per block on sm_90
 REGISTER_FILE = 65536  # 32-bit registers of an SM (sm_90)
 ORDERS = ("row", "grouped", "hilbert")
 CLUSTERS = (1, 2)
+MULTICASTS = ("b", "a")  # which operand a cluster's CTAs share: B (tiles of one column) or A (of one row)
+SCHEDULES = ("cooperative", "pingpong")
 MAX_ORDER_TABLE = 16384  # tiles a Hilbert order's table may list (4 bytes each, in constant memory)
 EPILOGUES = ("direct", "tma")
 # test-only bugs the gate must catch: the descriptors' swizzle differs from the tensor maps', the stride byte
@@ -93,7 +95,10 @@ class Params:
     bn: int = 128
     stages: int = 4
     consumers: int = 2
-    cluster: int = 1  # CTAs of a cluster: 2 take two tiles of one column, each copying half the B tile into both
+    # cooperative: the consumers split each tile's rows; pingpong: they take the tiles in turn, a whole one each
+    schedule: str = "cooperative"
+    cluster: int = 1  # CTAs of a cluster: 2 take two tiles that share an operand, each copying half of it into both
+    multicast: str = "b"  # the operand they share: B (tiles of one column) or A (of one row)
     order: str = "grouped"  # how a CTA's (cluster's) turns walk the tiles: by rows, by super-rows, on a Hilbert curve
     group: int = 8  # tile rows of a super-row (order grouped)
     producer_regs: int = 40  # registers per thread the producer keeps (setmaxnreg); 0: no redistribution
@@ -108,7 +113,8 @@ class Params:
         return 128 * (1 + self.consumers)
 
     def label(self) -> str:
-        return (f"{self.bm}x{self.bn} s{self.stages} c{self.consumers}" + (f" x{self.cluster}" if self.cluster > 1 else "")
+        return (f"{self.bm}x{self.bn} s{self.stages} c{self.consumers}" + (" pingpong" if self.schedule == "pingpong" else "")
+                + (f" x{self.cluster}{self.multicast}" if self.cluster > 1 else "")
                 + f" {self.order}"
                 + (f"{self.group}" if self.order == "grouped" else "") + f" r{self.producer_regs} f{self.inflight}"
                 f" {self.epilogue}" + (f" grid≤{self.grid}" if self.grid else "") + (f" PLANTED {self.plant}" if self.plant else ""))
@@ -118,10 +124,21 @@ def _tiles(shape: Shape, p: Params) -> tuple[int, int]:
     return -(-shape.m // p.bm), -(-shape.n // p.bn)
 
 
+def _shares(p: Params) -> tuple[int, int]:
+    """CTAs that copy a part of the A tile, and of the B tile, each into all of them (multicast)."""
+    return (p.cluster, 1) if p.multicast == "a" else (1, p.cluster)
+
+
 def _units(shape: Shape, p: Params) -> tuple[int, int]:
-    """What a CTA (a cluster) takes in turn: a tile, or a cluster's column of `cluster` tiles."""
+    """What a CTA (a cluster) takes in turn: a tile, or a cluster's column (row, sharing A) of `cluster` tiles."""
     tiles_m, tiles_n = _tiles(shape, p)
-    return -(-tiles_m // p.cluster), tiles_n
+    share_a, share_b = _shares(p)
+    return -(-tiles_m // share_b), -(-tiles_n // share_a)
+
+
+def consumer_rows(p: Params) -> int:
+    """Rows of a tile one consumer computes and stores."""
+    return p.bm if p.schedule == "pingpong" else p.bm // p.consumers
 
 
 def hilbert_order(rows: int, cols: int) -> list[tuple[int, int]]:
@@ -152,7 +169,7 @@ def hilbert_order(rows: int, cols: int) -> list[tuple[int, int]]:
 
 def _accumulators(p: Params) -> int:
     """Floats of C a consumer thread holds: BN/2 for each 64-row slab of its rows."""
-    return p.bm // p.consumers // 64 * p.bn // 2
+    return consumer_rows(p) // 64 * p.bn // 2
 
 
 def consumer_regs(p: Params) -> int:
@@ -167,8 +184,9 @@ def epilogue(shape: Shape, p: Params) -> str:
 
 def _shared_bytes(shape: Shape, p: Params) -> int:
     out = OUTPUTS[shape.c_dtype]
-    staging = p.bm * p.bn * out.itemsize if epilogue(shape, p) == "tma" else 0
-    return 1024 + p.stages * (p.bm + p.bn) * BK * 2 + staging + 2 * 8 * p.stages  # 1024: room to align the tiles
+    staging = p.consumers * consumer_rows(p) * p.bn * out.itemsize if epilogue(shape, p) == "tma" else 0
+    order = 16 if p.schedule == "pingpong" else 0  # the consumers' two turn barriers
+    return 1024 + p.stages * (p.bm + p.bn) * BK * 2 + staging + 2 * 8 * p.stages + order  # 1024: to align the tiles
 
 
 _SHAPE_RULES = (
@@ -189,9 +207,13 @@ _RULES: tuple[Rule, ...] = (
     Rule("tile", lambda s, p: p.bn % 16 == 0 and 16 <= p.bn <= 256,
          lambda s, p: f"bn is a multiple of 16 in 16..256 (a wgmma's N), got {p.bn}"),
     Rule("consumers", lambda s, p: p.consumers in (1, 2), lambda s, p: f"consumers is 1 or 2 warpgroups, got {p.consumers}"),
-    Rule("consumers", lambda s, p: p.bm % (64 * p.consumers) == 0,
+    Rule("consumers", lambda s, p: p.schedule in SCHEDULES,
+         lambda s, p: f"schedule is one of {SCHEDULES}, got {p.schedule!r}"),
+    Rule("consumers", lambda s, p: p.schedule == "pingpong" or p.bm % (64 * p.consumers) == 0,
          lambda s, p: f"{p.consumers} consumers split bm={p.bm} rows into m64 slabs: bm must be a multiple of "
                       f"{64 * p.consumers}"),
+    Rule("consumers", lambda s, p: p.schedule == "cooperative" or p.consumers == 2,
+         lambda s, p: f"pingpong takes tiles by turns of two consumers, got {p.consumers}"),
     Rule("stages", lambda s, p: 2 <= p.stages <= 8, lambda s, p: f"stages is 2..8, got {p.stages}"),
     Rule("order", lambda s, p: p.order in ORDERS, lambda s, p: f"order is one of {ORDERS}, got {p.order!r}"),
     Rule("order", lambda s, p: p.group >= 1, lambda s, p: f"group is a positive number of tile rows, got {p.group}"),
@@ -202,11 +224,18 @@ _RULES: tuple[Rule, ...] = (
          lambda s, p: f"a Hilbert order lists its {int(np.prod(_units(s, p)))} tiles in constant memory, at most "
                       f"{MAX_ORDER_TABLE}; use order grouped"),
     Rule("cluster", lambda s, p: p.cluster in CLUSTERS, lambda s, p: f"cluster is one of {CLUSTERS} CTAs, got {p.cluster}"),
+    Rule("cluster", lambda s, p: p.multicast in MULTICASTS,
+         lambda s, p: f"multicast is one of {MULTICASTS} (the operand a cluster shares), got {p.multicast!r}"),
+    # the other value changes nothing without a cluster: two names for one kernel otherwise
+    Rule("cluster", lambda s, p: p.cluster > 1 or p.multicast == Params.multicast,
+         lambda s, p: f"multicast is what a cluster shares; with cluster 1 leave it at {Params.multicast!r}"),
+    Rule("cluster", lambda s, p: p.multicast == "b" or (p.bm // p.cluster) % 8 == 0,
+         lambda s, p: f"each CTA of the cluster copies bm/{p.cluster} rows of A: {p.bm} must split into 8-row groups"),
     # an N-major B tile arrives as boxes of 64 columns (128 bytes, the swizzle's span), each CTA of a cluster
     # copying whole boxes
-    Rule("b-layout", lambda s, p: s.b_layout == "nk" or p.bn % (64 * p.cluster) == 0,
+    Rule("b-layout", lambda s, p: s.b_layout == "nk" or p.bn % (64 * _shares(p)[1]) == 0,
          lambda s, p: f"with B K×N (kn) the B tile comes in boxes of 64 columns: bn={p.bn} must be a multiple of "
-                      f"{64 * p.cluster}" + (" under a cluster of 2" if p.cluster > 1 else "")),
+                      f"{64 * _shares(p)[1]}" + (" where a cluster shares B" if _shares(p)[1] > 1 else "")),
     Rule("registers", lambda s, p: p.producer_regs == 0 or (p.producer_regs % 8 == 0 and 24 <= p.producer_regs <= 256),
          lambda s, p: f"producer_regs is 0 (no setmaxnreg) or a multiple of 8 in 24..256, got {p.producer_regs}"),
     Rule("registers", _register_room,
@@ -309,22 +338,25 @@ class GemmSm90:
         b = (TensorMapSpec("B", "bfloat16", (shape.k, shape.n), (row,), (BK, p.bn // self.b_sharers(p)), SWIZZLE, 256)
              if shape.b_layout == "nk" else
              TensorMapSpec("B", "bfloat16", (shape.n, shape.k), (shape.ldb * 2,), (64, BK), SWIZZLE, 256))
-        maps = {"tma_a": TensorMapSpec("A", "bfloat16", (shape.k, shape.m), (row,), (BK, p.bm), SWIZZLE, 256),
+        maps = {"tma_a": TensorMapSpec("A", "bfloat16", (shape.k, shape.m), (row,), (BK, p.bm // _shares(p)[0]),
+                                       SWIZZLE, 256),
                 "tma_b": b}
         if epilogue(shape, p) == "tma":
             maps["tma_c"] = TensorMapSpec("C", out.name, (shape.n, shape.m), (shape.n * out.itemsize,),
-                                          (128 // out.itemsize, p.bm // p.consumers), SWIZZLE, 0)
+                                          (128 // out.itemsize, consumer_rows(p)), SWIZZLE, 0)
         return maps
 
     def b_sharers(self, p: Params) -> int:
-        """CTAs that copy a part of the B tile each into all of them (multicast): the cluster's."""
-        return p.cluster
+        """CTAs that copy a part of the B tile each into all of them (multicast)."""
+        return _shares(p)[1]
 
     # ---- generation ----
     def kernel_name(self, shape: Shape, p: Params) -> str:
         order = {"row": "row", "grouped": f"g{p.group}", "hilbert": "h"}[p.order]
         return (f"gemm_sm90_{self.slug(shape)}_b{p.bm}x{p.bn}_s{p.stages}_c{p.consumers}"
-                + (f"_x{p.cluster}" if p.cluster > 1 else "") + f"_{order}_r{p.producer_regs}"
+                + ("_pp" if p.schedule == "pingpong" else "")
+                + (f"_x{p.cluster}" + ("a" if p.multicast == "a" else "") if p.cluster > 1 else "")
+                + f"_{order}_r{p.producer_regs}"
                 f"_f{p.inflight}_{epilogue(shape, p)}" + (f"_bug_{p.plant}" if p.plant else ""))
 
     def context(self, shape: Shape, p: Params) -> dict[str, Any]:
@@ -332,18 +364,22 @@ class GemmSm90:
         tiles_m, tiles_n = _tiles(shape, p)
         units_m, units_n = _units(shape, p)
         stage_bytes = (p.bm + p.bn) * BK * 2
-        c_stage = p.bm * p.bn * out.itemsize if epilogue(shape, p) == "tma" else 0
+        c_stage = p.consumers * consumer_rows(p) * p.bn * out.itemsize if epilogue(shape, p) == "tma" else 0
+        share_a = _shares(p)[0]
         return dict(
             M=shape.m, N=shape.n, K=shape.k, BM=p.bm, BN=p.bn, BK=BK, STAGES=p.stages, CONSUMERS=p.consumers,
-            THREADS=p.threads, TILES_M=tiles_m, CLUSTER=p.cluster, SHARE=self.b_sharers(p), KSTEP=KSTEP, UNITS_M=units_m, UNITS_N=units_n,
+            THREADS=p.threads, TILES_M=tiles_m, TILES_N=tiles_n, CLUSTER=p.cluster, SHARE=self.b_sharers(p),
+            SHARE_A=share_a, KSTEP=KSTEP, PINGPONG=p.schedule == "pingpong", CONSUMER_ROWS=consumer_rows(p),
+            # each stage is freed by every consumer that reads it, in every CTA that copies into it
+            EMPTY_ARRIVALS=(1 if p.schedule == "pingpong" else p.consumers) * self.b_sharers(p) * share_a, UNITS_M=units_m, UNITS_N=units_n,
             UNITS=units_m * units_n, KBLOCKS=-(-shape.k // BK),
             HILBERT=[r << 16 | c for r, c in hilbert_order(units_m, units_n)] if p.order == "hilbert" else [],
-            KSTEPS=BK // KSTEP, KSTEP_BYTES=KSTEP * 2, MI=p.bm // p.consumers // 64, ACC=p.bn // 2,
+            KSTEPS=BK // KSTEP, KSTEP_BYTES=KSTEP * 2, MI=consumer_rows(p) // 64, ACC=p.bn // 2,
             A_BYTES=p.bm * BK * 2, B_BYTES=p.bn * BK * 2, STAGE_BYTES=stage_bytes,
-            CONSUMER_A_BYTES=p.bm // p.consumers * BK * 2, B_KN=shape.b_layout == "kn", B_BOXES=p.bn // 64,
+            CONSUMER_A_BYTES=consumer_rows(p) * BK * 2, B_KN=shape.b_layout == "kn", B_BOXES=p.bn // 64,
             B_LBO=BK * 128,  # a K×N B tile: from one box of 64 columns to the next
             C_STAGE_AT=p.stages * stage_bytes, C_STAGE_BYTES=c_stage, BARRIERS_AT=p.stages * stage_bytes + c_stage,
-            C_BOX_COLS=128 // out.itemsize, C_BOX_BYTES=p.bm // p.consumers * 128, C_BOXES=p.bn * out.itemsize // 128,
+            C_BOX_COLS=128 // out.itemsize, C_BOX_BYTES=consumer_rows(p) * 128, C_BOXES=p.bn * out.itemsize // 128,
             C_TYPE=out.c_type, C_PTX=out.ptx, C_PAIRS=shape.n % 2 == 0,
             ORDER=p.order, GROUP=p.group, PRODUCER_REGS=p.producer_regs, CONSUMER_REGS=consumer_regs(p),
             INFLIGHT=p.inflight, EPILOGUE=epilogue(shape, p), WATCHDOG_NS=p.watchdog_ms * 1_000_000, PLANT=p.plant,
