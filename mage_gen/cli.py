@@ -17,19 +17,21 @@ from typing import Any, Optional
 
 import typer
 from rich.console import Console
+
+import mage_gen
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from mage_gen import dispatch
 from mage_gen.census import Census
 from mage_gen.compile import DEFAULT_ARCH, check_arch
-from mage_gen.emit import check_out_dir, emit
+from mage_gen.emit import check_out_dir, emit, shape_arguments
 from mage_gen.errors import MageError, NoGpuError
 from mage_gen.ops import OPS, Op, get_op
 from mage_gen.ops.base import shape_dict
 from mage_gen.space import expand, load_space, preset_names
 from mage_gen.store import (Winner, check_can_save, current_winners, entry_key, load_winners, pick_winner, save_entry,
-                            shape_entries, stored_axes, stored_params, tuned_shapes)
+                            shape_entries, stored_axes, stored_params, tuned_dirs, tuned_shapes)
 from mage_gen.timing import OBJECTIVES, Timing, by_objective
 from mage_gen.variants import Variant, build, build_all, check_op_arch
 
@@ -44,8 +46,20 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 out = Console(width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True)
 
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"mage-gen {mage_gen.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                          help="print mage-gen's version and exit")) -> None:
+    """Generate, check and tune GPU kernels written with inline PTX."""
+
+
 OpArg = typer.Argument(..., help=f"op family: {', '.join(sorted(OPS))}")
-DOpt = typer.Option(None, "--d", help="row length (layernorm)")
+DOpt = typer.Option(None, "--d", help="row length (layernorm, rmsnorm)")
 MOpt = typer.Option(None, "--m", help="rows of the output: matmul's M; layernorm's rows at launch (default 4096)")
 NOpt = typer.Option(None, "--n", help="matmul: columns of B and C")
 KOpt = typer.Option(None, "--k", help="matmul: columns of A, rows of B")
@@ -130,7 +144,10 @@ def _parse_config(items: list[str]) -> dict[str, Any]:
             key, sep, raw = pair.partition("=")
             if not sep:
                 raise MageError(f"config: {pair!r} is not KEY=VALUE (e.g. --config rows_per_block=4)")
-            values[key.strip().replace("-", "_")] = _config_value(raw.strip())
+            key, value = key.strip().replace("-", "_"), _config_value(raw.strip())
+            if key in values:
+                raise MageError(f"config: {key} is given twice ({values[key]} and {value}); give it once")
+            values[key] = value
     return values
 
 
@@ -426,6 +443,8 @@ def _emit_tuned(op: Op, shape: Any, gpu_name: str, arch: str, out_dir: Path, run
     for this shape takes the params of the nearest tuned shape they are valid for, else its default config,
     and says so. With skip_stale (after a tune, whose own class is current), a stale class is left out with a
     line that says how to retune it, where it would otherwise refuse the whole shape."""
+    if directory is None:  # the first folder with an entry for the shape: ./tuned or $MAGE_GEN_TUNED, then the shipped
+        directory = next((d for d in tuned_dirs() if shape_entries(op, shape, gpu_name, d)), None)
     if not op.run_dims and not shape_entries(op, shape, gpu_name, directory):
         return _emit_untuned(op, shape, gpu_name, arch, out_dir, replace)
     if skip_stale:
@@ -434,6 +453,12 @@ def _emit_tuned(op: Op, shape: Any, gpu_name: str, arch: str, out_dir: Path, run
             err.print(f"not emitted: {exc}", markup=False, highlight=False, soft_wrap=True)
     else:
         winners = load_winners(op, shape, gpu_name, directory)
+    for w in winners:  # a winner is a kernel timed on its GPU: built for another arch, it is a kernel never timed
+        tuned_for = "sm_" + str(w.entry["gpu"]["cc"]).replace(".", "")
+        if arch.rstrip("a") != tuned_for:
+            raise MageError(f"arch: the {op.name} winners in {w.path} were tuned on {gpu_name} ({tuned_for}); built for "
+                            f"{arch} they would be kernels nobody timed there; leave --arch out (or give {tuned_for}), "
+                            "or choose params with --config")
     classes = _size_classes(op, shape, winners)
     if run is not None and op.run_dims:
         winners = [pick_winner(op, shape, winners, run)]
@@ -561,14 +586,9 @@ def tune_command(
     replayed = ReplayBackend(replay) if replay else None  # a bad --replay file is its own one-line error
     try:
         device = replayed.device if replayed else _gpu_facts()
-    except NoGpuError as exc:
-        target = check_op_arch(op, arch or DEFAULT_ARCH, shape)
-        space = load_space(op, preset, shape)  # no GPU to size a grid given per SM for: those configs left out
-        valid, rejected = expand(op, shape, space, target)
-        with _compiling(len(valid), f"{op.name} {shape_dict(shape)} preset {space.preset} for {target}") as advance:
-            build_all(op, shape, valid, target, progress=advance)
-        raise NoGpuError(f"compiled and counted {len(valid)} valid variants ({len(rejected)} rejected) for "
-                         f"{target}; {exc}") from None
+    except NoGpuError as exc:  # said at once: compiling a preset here first could take hours, for nothing timed
+        raise NoGpuError(f"{exc}; tuning times kernels. `mage-gen variants {op.name} {shape_arguments(shape, every_field=False)}"
+                         f"{' --preset ' + preset if preset else ''}` compiles and counts them here") from None
     space = load_space(op, preset, shape, sms=int(device["sms"]))
     target = "sm_" + str(device["cc"]).replace(".", "")
     if arch and check_arch(arch) != target:
@@ -647,7 +667,7 @@ def _join(storage: str, study_name: str, seed: int, replay: Path | None) -> None
     from mage_gen.tune import _finished, _keys, measure, space_id
     from mage_gen.worker import IsolatedBackend, gpu_backend
 
-    handle = fleet.open_storage(storage, workers=2)  # a worker shares its study: SQLite is refused
+    handle = fleet.open_storage(storage, workers=1, joining=True)  # a worker shares its study: SQLite is refused
     try:
         study = optuna.load_study(study_name=study_name, storage=handle)
     except KeyError:
@@ -710,6 +730,7 @@ def report_command(
         from mage_gen import report
     except ImportError as exc:
         raise MageError(f"report: {exc.name} is not installed; pip install 'mage-gen[report]'") from None
+    from mage_gen import fleet
     from mage_gen.tune import default_storage
 
     op = get_op(op_name)
@@ -719,16 +740,17 @@ def report_command(
     storage = storage or default_storage()
     names = [study] if study else report.find_studies(storage, op, shape, run)
     if not names:
-        raise MageError(f"report: {storage} holds no study of {op.name} {shape_dict(shape)}"
+        raise MageError(f"report: {fleet.shown(storage)} holds no study of {op.name} {shape_dict(shape)}"
                         f"{' at ' + str(run) if run else ''}; tune it first, or give the --storage it used")
     if len(names) > 1:
-        raise MageError(f"report: {len(names)} studies of {op.name} {shape_dict(shape)} in {storage}: "
+        raise MageError(f"report: {len(names)} studies of {op.name} {shape_dict(shape)} in {fleet.shown(storage)}: "
                         f"{', '.join(names)}; choose one with --study")
-    check_out_dir(out_dir)
+    check_out_dir(out_dir, "the report")
     try:
         identity = report.study_identity(storage, names[0])
     except KeyError:
-        raise MageError(f"report: {storage} holds no study {names[0]!r}; leave --study out to find the shape's")
+        raise MageError(f"report: {fleet.shown(storage)} holds no study {names[0]!r}; leave --study out to find the "
+                        "shape's")
     gpu_name = identity.get("gpu", "")
     classes = shape_entries(op, shape, gpu_name) if gpu_name else {}
     page = report.write_report(op, shape, storage, names[0], out_dir, classes, report.measured_copy(gpu_name))
@@ -824,9 +846,18 @@ def _click_exceptions(name: str) -> tuple[type[BaseException], ...]:
 _TYPER_INTERRUPTED = 130
 
 
+def _terminated(signum: int, frame: Any) -> None:
+    """SIGTERM (timeout, kill, a scheduler) as Ctrl-C: passed on as a SIGINT to this process, so that it meets the
+    same handling (held while compile workers start, then a clean stop with the workers ended)."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # a background job's Ctrl-C is ignored; a TERM is not
+        raise KeyboardInterrupt
+    os.kill(os.getpid(), signal.SIGINT)
+
+
 def main() -> None:
     """Entry point: every error a user can cause is one line on stderr and exit code 2."""
     usage_errors, aborts = _click_exceptions("UsageError"), _click_exceptions("Abort")
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         code = app(standalone_mode=False)
         if code == _TYPER_INTERRUPTED:  # Typer answers Ctrl-C inside a command with this code, and says nothing

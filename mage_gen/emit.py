@@ -18,7 +18,7 @@ from mage_gen.dtypes import dtype as element_type
 from mage_gen.compile import nvrtc_version
 from mage_gen.errors import ConfigError, MageError
 from mage_gen.ops import Arg, Op
-from mage_gen.ops.base import TensorMapSpec, tensor_maps
+from mage_gen.ops.base import TensorMapSpec, shape_dict, tensor_maps
 from mage_gen.render import environment
 from mage_gen.store import unwritable, write_atomic
 from mage_gen.timing import Timing
@@ -82,11 +82,12 @@ def _refuse_to_replace(out_dir: Path, contents: dict[str, bytes]) -> None:
                             "another --out")
 
 
-def check_out_dir(out_dir: Path) -> None:
-    """Fail before a search, not after it, where the winner could not be emitted. Creates nothing."""
+def check_out_dir(out_dir: Path, what: str = "kernels") -> None:
+    """Fail before a search, not after it, where the winner (or `what` else) could not be written. Creates
+    nothing."""
     why = unwritable(out_dir)
     if why:
-        raise MageError(f"cannot write kernels to {out_dir}: {why}; {_OUT_REMEDY}")
+        raise MageError(f"cannot write {what} to {out_dir}: {why}; {_OUT_REMEDY}")
 
 
 def _c_type(arg: Arg) -> str:
@@ -196,18 +197,26 @@ def _header(op: Op, shape: Any, variant: Variant, provenance: dict[str, Any] | N
 _SHAPE_FLAGS = ("d", "m", "n", "k", "dtype", "weight_dtype", "precision")
 
 
-def regenerate_command(op: Op, shape: Any, arch: str, params: dict[str, Any]) -> str:
-    """The command line that writes these files again: every field of the shape, and every param."""
+def shape_arguments(shape: Any, params: dict[str, Any] | None = None, every_field: bool = True) -> str:
+    """A shape (and params) as mage-gen's commands take them: flags for the sizes, dtypes and precision, every other
+    field of the shape and every param in --config; with every_field False, fields at their defaults left out."""
     flags, config = [], []
-    for name, value in asdict(shape).items():
+    for name, value in (asdict(shape) if every_field else shape_dict(shape)).items():
         if value is None:
             continue
         if name in _SHAPE_FLAGS:
             flags.append(f"--{name.replace('_', '-')} {value}")
         else:
             config.append(f"{name}={str(value).lower() if isinstance(value, bool) else value}")
-    config += [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in params.items()]
-    return f"mage-gen emit {op.name} {' '.join(flags)} --arch {arch} --config {','.join(config)}"
+    config += [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in (params or {}).items()]
+    return " ".join(flags) + (f" --config {','.join(config)}" if config else "")
+
+
+def regenerate_command(op: Op, shape: Any, arch: str, params: dict[str, Any]) -> str:
+    """The command line that writes these files again: every field of the shape, and every param."""
+    arguments = shape_arguments(shape, params)
+    flags, _, config = arguments.partition(" --config ")
+    return f"mage-gen emit {op.name} {flags} --arch {arch} --config {config}"
 
 
 def _timing_rows(entry: dict[str, Any]) -> list[tuple[str, str]]:

@@ -44,13 +44,17 @@ def shown(url: str) -> str:
         return url
 
 
-def open_storage(url: str, workers: int) -> Any:
-    """A URL as the study's storage for `workers` concurrent workers: a server database with heartbeats, or
-    SQLite (one worker only) as given."""
+def open_storage(url: str, workers: int, joining: bool = False) -> Any:
+    """A URL as the study's storage for `workers` concurrent workers (joining: one that joins a study a tune
+    writes too): a server database with heartbeats, or SQLite (one worker only) as given."""
     if not is_server(url):
+        if joining:
+            raise ConfigError(f"storage: a worker joins a study that the tune and other workers write too, and "
+                              f"{shown(url)} is SQLite, which is not safe for concurrent writers; give --storage "
+                              "postgresql://USER@HOST/DB")
         if workers > 1:
-            raise ConfigError(f"storage: {workers} workers cannot share {url}: SQLite is not safe for concurrent "
-                              "writers; give --storage postgresql://USER@HOST/DB")
+            raise ConfigError(f"storage: {workers} workers cannot share {shown(url)}: SQLite is not safe for "
+                              "concurrent writers; give --storage postgresql://USER@HOST/DB")
         return url
     import optuna
 

@@ -19,6 +19,7 @@ import jinja2
 import optuna
 
 from mage_gen.errors import ConfigError, MageError
+from mage_gen.fleet import shown
 from mage_gen.ops.base import Op, shape_dict
 from mage_gen.resources import data_dir
 from mage_gen.store import gpu_slug, write_atomic
@@ -56,12 +57,12 @@ class Limit:
 def _summaries(storage: str) -> list[Any]:
     # Opening a SQLite URL creates the file and Optuna's tables: a report only reads what a tune left
     if storage.startswith("sqlite:///") and not Path(storage.removeprefix("sqlite:///")).is_file():
-        raise MageError(f"storage: {storage} does not exist; give the --storage the tune used")
+        raise MageError(f"storage: {shown(storage)} does not exist; give the --storage the tune used")
     try:
         return optuna.get_all_study_summaries(storage=storage, include_best_trial=False)
     except Exception as exc:  # SQLAlchemy and Optuna raise many kinds for a bad or unreachable URL
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise MageError(f"storage: cannot open Optuna storage {storage!r} ({first_line}); "
+        raise MageError(f"storage: cannot open Optuna storage {shown(storage)!r} ({first_line}); "
                         "give the --storage the tune used") from None
 
 

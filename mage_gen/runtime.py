@@ -24,8 +24,7 @@ from mage_gen.compile import compile_source
 from mage_gen.errors import ConfigError, LaunchError, StoreError
 from mage_gen.ops import Op, get_op
 from mage_gen.ops.base import shape_dict
-from mage_gen.resources import data_dir
-from mage_gen.store import load_winners, pick_winner, store_file, tuned_dir
+from mage_gen.store import load_winners, pick_winner, store_file, tuned_dirs
 
 # Where a shape has no tuned entry: the first of these the op accepts (validate), in this order.
 _ROW_NORM_DEFAULTS = ([{"template": "row", "threads": t, "vector": v} for v in (16, 8, 4) for t in (128, 256, 512, 1024, 64, 32)]
@@ -68,17 +67,6 @@ class Prepared:
 _prepared: dict[tuple, Prepared] = {}
 _modules: dict[tuple[int, str], gpu.Kernel] = {}  # (context, compile cache key) -> its loaded kernel
 _warned: set[tuple] = set()
-
-
-def tuned_dirs() -> list[Path]:
-    """Where winners are looked up, first match wins: $MAGE_GEN_TUNED (or ./tuned), then those shipped with
-    mage-gen."""
-    dirs = [tuned_dir()]
-    try:
-        shipped = data_dir("tuned")
-    except FileNotFoundError:
-        return dirs
-    return dirs + ([shipped] if shipped.resolve() != dirs[0].resolve() else [])
 
 
 def layer_norm(y: int, x: int, w: int, b: int, m: int, d: int, eps: float = 1e-5, stream: int = 0, *,

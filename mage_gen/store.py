@@ -30,6 +30,7 @@ from mage_gen import dispatch
 from mage_gen.errors import ConfigError, MageError, StoreError
 from mage_gen.ops import Op
 from mage_gen.render import Source
+from mage_gen.resources import data_dir
 from mage_gen.timing import Timing
 
 FORMAT = 3
@@ -67,6 +68,17 @@ def _class_suffix(run: dict[str, int]) -> str:
 def tuned_dir() -> Path:
     override = os.environ.get("MAGE_GEN_TUNED")
     return Path(override) if override else Path.cwd() / "tuned"
+
+
+def tuned_dirs() -> list[Path]:
+    """Where winners are looked up, first match wins: $MAGE_GEN_TUNED (or ./tuned), then those shipped with
+    mage-gen."""
+    dirs = [tuned_dir()]
+    try:
+        shipped = data_dir("tuned")
+    except FileNotFoundError:
+        return dirs
+    return dirs + ([shipped] if shipped.resolve() != dirs[0].resolve() else [])
 
 
 def gpu_slug(name: str) -> str:
@@ -144,8 +156,7 @@ def load_entry(op_name: str, gpu_name: str, shape_key: str, current: Source | No
                          f"{where}): {remedy}")
     entries = _read(path, op_name)["entries"]
     if shape_key not in entries:
-        have = ", ".join(sorted(entries)[:5]) or "none"
-        raise StoreError(f"{path} has no entry for {shape_key} (it has: {have}): {remedy}")
+        raise StoreError(f"{path} has no entry for {shape_key} (it has {_listed(entries)}): {remedy}")
     entry = entries[shape_key]
     _check_entry(entry, f"{path}: entry {shape_key}", fix=f"re-run `{tune}` on this GPU, or pass --config")
     if current is not None and not is_current(entry, current):
@@ -153,6 +164,19 @@ def load_entry(op_name: str, gpu_name: str, shape_key: str, current: Source | No
         raise StoreError(f"{path}: entry {shape_key} is stale: its kernel has changed since it was tuned "
                          f"({kind} hash {entry[kind + '_hash']}, now {getattr(current, kind + '_hash')}): {remedy}")
     return entry
+
+
+_SHOWN_KEYS = 8  # of the entries a missing one is named beside
+
+
+def _listed(keys: Any) -> str:
+    """Shape keys in their numbers' order (d=768 before d=4096), all of them or the first few and how many more."""
+    ordered = sorted(keys, key=lambda key: [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", key)])
+    if not ordered:
+        return "no entry"
+    shown = ", ".join(ordered[:_SHOWN_KEYS])
+    more = len(ordered) - _SHOWN_KEYS
+    return f"{len(ordered)} entries: {shown}" + (f", and {more} more" if more > 0 else "")
 
 
 def is_current(entry: dict[str, Any], current: Source) -> bool:

@@ -239,9 +239,11 @@ def live_in_group(pgid: int, within_s: float) -> list[str]:
         time.sleep(0.1)
 
 
-def interrupt_a_parallel_compile(cache, after_s: float, interrupts: int = 1) -> tuple[int, str, int]:
+def interrupt_a_parallel_compile(cache, after_s: float, interrupts: int = 1, how: str = "SIGINT",
+                                 group: bool = True) -> tuple[int, str, int]:
     """(exit code, the rest of stderr, process group) of `variants` interrupted `after_s` after it says it
-    compiles, in its own process group, as a terminal's foreground job: Ctrl-C reaches the workers too."""
+    compiles, in its own process group, as a terminal's foreground job: Ctrl-C reaches the workers too. `how`: the
+    signal; group False sends it to the command alone (as timeout and kill do)."""
     import signal
     import time
 
@@ -255,7 +257,7 @@ def interrupt_a_parallel_compile(cache, after_s: float, interrupts: int = 1) -> 
         assert proc.stderr.readline().startswith("compiling ")
         time.sleep(after_s)
         for _ in range(interrupts):
-            os.killpg(proc.pid, signal.SIGINT)
+            (os.killpg if group else os.kill)(proc.pid, getattr(signal, how))
             time.sleep(0.05)
         rest = proc.communicate(timeout=30)[1]
     finally:
@@ -273,6 +275,16 @@ def test_ctrl_c_during_a_parallel_compile_stops_at_once_and_leaves_nothing_behin
     # the cache holds whole entries only (a killed compile leaves at most a scratch folder)
     entries = [p for p in (tmp_path / "nvrtc").glob("*/*") if not p.name.startswith(".tmp-")]
     assert all({f.name for f in entry.iterdir()} == {"kernel.ptx", "ptxas.log", "kernel.cubin"} for entry in entries)
+
+
+@pytest.mark.parametrize("after_s", [0.3, 1.5])
+def test_sigterm_stops_a_parallel_compile_as_ctrl_c_does(tmp_path, after_s):
+    # timeout(1) and kill send TERM to the command alone: it used to die there, its pool's semaphores leaked and its
+    # workers writing tracebacks into a closed pipe
+    code, rest, group = interrupt_a_parallel_compile(tmp_path, after_s, how="SIGTERM", group=False)
+    assert code == 130 and rest.strip().endswith("mage-gen: interrupted"), rest
+    assert "Traceback" not in rest and "leaked" not in rest, rest
+    assert live_in_group(group, within_s=5) == [], "a compile worker outlived it"
 
 
 @pytest.mark.parametrize("after_s", [0.0, 0.1, 0.3])

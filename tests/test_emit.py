@@ -458,10 +458,19 @@ def test_the_regenerate_line_of_a_matmul_header_rebuilds_the_same_kernel(tmp_pat
 
 
 def test_cli_without_a_winner(tmp_path):
+    # neither the user's tuned/ nor the winners shipped with mage-gen hold one for this GPU
     done = mage_gen_cli("emit", "layernorm", "--d", "768", "-o", str(tmp_path / "out"), tuned=tmp_path,
-                        gpu="NVIDIA H200")
+                        gpu="NVIDIA A100-SXM4-80GB")
     assert_one_line_error(done, "run `mage-gen tune layernorm --d 768` on this GPU, or pass --config")
     assert not (tmp_path / "out").exists()
+
+
+def test_cli_emits_the_winners_shipped_with_mage_gen_where_the_users_tuned_holds_none(tmp_path):
+    done = mage_gen_cli("emit", "layernorm", "--d", "768", "-o", str(tmp_path / "out"), tuned=tmp_path,
+                        gpu="NVIDIA H200")
+    assert done.returncode == 0, done.stderr
+    header = next((tmp_path / "out").glob("*.cu")).read_text()
+    assert re.search(r"tuned on\s+NVIDIA H200", header), header[:400]
 
 
 def test_cli_without_a_gpu_name(tmp_path):

@@ -245,3 +245,11 @@ def test_every_committed_winner_renders_to_the_kernel_it_was_tuned_with():
                  if "source_hash" not in e or not store.is_current(e, op.source(op.shape(**e["shape"]),
                                                                                op.params_from_dict(e["params"])))]
         assert not stale, f"{path}: {stale} were tuned with kernels that have changed since; re-tune them"
+
+
+def test_a_missing_entry_names_the_others_in_their_numbers_order_and_says_how_many_more(tmp_path, synthetic_entry):
+    for d in (96, 768, 1024, 128, 4096, 512, 2048, 8192, 16384, 64):
+        save_entry("layernorm", "NVIDIA H200", f"d={d}", synthetic_entry(), directory=tmp_path)
+    with pytest.raises(StoreError) as caught:
+        load_entry("layernorm", "NVIDIA H200", "d=100", directory=tmp_path)
+    assert "it has 10 entries: d=64, d=96, d=128, d=512, d=768, d=1024, d=2048, d=4096, and 2 more" in str(caught.value)
