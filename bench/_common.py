@@ -114,7 +114,7 @@ def prepared(op, shape, variant, run: dict) -> Prepared:
     to its contract."""
     kernel = gpu.Kernel(variant.compiled.cubin, variant.compiled.kernel_name,
                         op.geometry(shape, variant.params, run).dynamic_shared_bytes)
-    return Prepared(op, shape, variant.params, run, kernel)
+    return Prepared(op, shape, variant.params, run, kernel, variant.census)
 
 
 def passing(checked: Iterable[tuple[Any, str]]) -> tuple[list, dict[str, str]]:

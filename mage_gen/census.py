@@ -66,6 +66,9 @@ class Census:
     # copies by tensor ('tma load A', 'tma load B multicast', 'tma store C'), mbarrier operations, fences,
     # setmaxnreg by count ('setmaxnreg.inc 232'), cluster barriers, stmatrix
     hopper: dict[str, int] = field(default_factory=dict)
+    # tensor -> the widest single global access to it, in bytes (a v2.f32 store: 8; a 16-byte cp.async: 16): the
+    # alignment its pointer must have (aligned_contract)
+    widest_access: dict[str, int] = field(default_factory=dict)
 
     @property
     def spill_bytes(self) -> int:
@@ -157,6 +160,28 @@ def _hopper_ops(line: str, counts: Counter) -> None:
             counts[key.format(*groups) if groups else key] += 1
 
 
+_TYPE_BYTES = {"8": 1, "16": 2, "32": 4, "64": 8}
+_VECTOR = {"v2": 2, "v4": 4, "v8": 8}
+
+
+def _access_bytes(parts: list[str], line: str) -> int:
+    """Bytes one global ld/st, cp.async or bulk prefetch moves at its address."""
+    if parts[0] == "cp":
+        if "bulk" in parts:  # a bulk copy or prefetch wants 16-byte-aligned addresses
+            return 16
+        return int(line.rstrip(";").split(",")[2].strip().split()[0].rstrip(";"))
+    size = next((_TYPE_BYTES[p[1:]] for p in reversed(parts) if p[:1] in "fbus" and p[1:] in _TYPE_BYTES), 4)
+    return size * next((_VECTOR[p] for p in parts if p in _VECTOR), 1)
+
+
+def aligned_contract(contract: dict, census: Census) -> dict:
+    """The op's contract with each tensor's alignment raised to the widest access the kernel makes to it: a pointer
+    the contract admits must be one no load or store of the kernel misaligns."""
+    tensors = {name: {**t, "alignment_bytes": max(int(t["alignment_bytes"]), census.widest_access.get(name, 0))}
+               for name, t in contract["tensors"].items()}
+    return {**contract, "tensors": tensors}
+
+
 def _width(parts: list[str]) -> str:
     return next((_WIDTHS[p] for p in parts if p in _WIDTHS), "scalar")
 
@@ -182,6 +207,7 @@ def take_census(compiled: Compiled) -> Census:
     released: Counter = Counter()
     loads_hinted: Counter = Counter()
     hopper: Counter = Counter()
+    widest: dict[str, int] = {}
     for raw in compiled.ptx.splitlines():
         _hopper_ops(raw, hopper)
         # an inline-asm block holds several instructions on one line: conversions are counted wherever they are
@@ -200,6 +226,9 @@ def take_census(compiled: Compiled) -> Census:
         tag_match = _TAG.search(line)
         tag = tag_match.group(1) if tag_match else "?"
         head = parts[0]
+        tensor = tag.split(".")[0]
+        if tag != "?" and head in ("ld", "st", "cp") and "global" in parts:  # cp: cp.async and the bulk copies
+            widest[tensor] = max(widest.get(tensor, 0), _access_bytes(parts, line))
         if head in ("ld", "st") and "global" in parts:
             table = loads if head == "ld" else stores
             table.setdefault(tag, Counter())[_width(parts)] += 1
@@ -244,4 +273,5 @@ def take_census(compiled: Compiled) -> Census:
         cache_policies=dict(sorted(policies.items())), l2_released=dict(sorted(released.items())),
         global_loads_hinted=dict(sorted(loads_hinted.items())),
         hopper=dict(sorted(hopper.items())),
+        widest_access=dict(sorted(widest.items())),
     )

@@ -15,6 +15,7 @@ from typing import Any
 
 import mage_gen
 from mage_gen.dtypes import dtype as element_type
+from mage_gen.census import aligned_contract
 from mage_gen.compile import nvrtc_version
 from mage_gen.errors import ConfigError, MageError
 from mage_gen.ops import Arg, Op
@@ -41,7 +42,7 @@ def emit(op: Op, shape: Any, params: Any, arch: str, out_dir: Path, provenance: 
         raise ConfigError(f"stem: {stem!r} is not a C identifier (letters, digits, _): it prefixes the header's names")
     variant = build(op, shape, params, arch)  # before any folder is made: a rejected config leaves nothing
     header = _header(op, shape, variant, provenance)
-    contract = op.contract(shape, variant.params)
+    contract = aligned_contract(op.contract(shape, variant.params), variant.census)
     launch_doc = _launch_doc(op, shape, variant, provenance, contract, size_classes)
     contents = {
         f"{stem}.cu": ("\n".join(header) + "\n\n" + variant.source.text).encode(),

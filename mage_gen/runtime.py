@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from mage_gen import gpu
+from mage_gen.census import Census, aligned_contract, take_census
 from mage_gen.compile import compile_source
 from mage_gen.errors import ConfigError, LaunchError, StoreError
 from mage_gen.ops import Op, get_op
@@ -40,15 +41,16 @@ class Prepared:
     """One kernel's launch for one shape and run size, in one context: computed once, then each launch only
     checks the addresses, writes the argument values in place and enqueues."""
 
-    def __init__(self, op: Op, shape: Any, params: Any, run: dict[str, int], kernel: gpu.Kernel):
+    def __init__(self, op: Op, shape: Any, params: Any, run: dict[str, int], kernel: gpu.Kernel, census: Census):
         geometry = op.geometry(shape, params, run)
         self.op_name = op.name
         self.arg_names = tuple(a.name for a in op.args(shape))
         pointers = [a.name for a in op.args(shape) if a.kind in ("in", "out")]
         if list(self.arg_names[:len(pointers)]) != pointers:
             raise ValueError(f"{op.name}: its tensor arguments must come before its scalars, got {self.arg_names}")
-        self._alignments = {name: int(t["alignment_bytes"])
-                            for name, t in op.contract(shape, params)["tensors"].items() if name in pointers}
+        # as the emitted header checks them: the contract's, raised to the widest access the kernel makes
+        contract = aligned_contract(op.contract(shape, params), census)
+        self._alignments = {name: int(t["alignment_bytes"]) for name, t in contract["tensors"].items() if name in pointers}
         self._pointer_count = len(pointers)
         self._alignment_mask = max(self._alignments.values(), default=1) - 1  # alignments are powers of two
         kinds = ["ptr" if a.kind in ("in", "out") else a.kind for a in op.args(shape)]
@@ -154,7 +156,7 @@ def _prepare(op: Op, dims: dict[str, Any], run: dict[str, int], context: int, tu
     if kernel is None:
         kernel = _modules[(context, compiled.key)] = gpu.Kernel(
             compiled.cubin, compiled.kernel_name, op.geometry(shape, params, run).dynamic_shared_bytes)
-    return Prepared(op, shape, params, run, kernel)
+    return Prepared(op, shape, params, run, kernel, take_census(compiled))
 
 
 def _choose(op: Op, shape: Any, run: dict[str, int], device: gpu.DeviceInfo, tuned_only: bool) -> Any:

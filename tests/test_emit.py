@@ -553,3 +553,18 @@ def test_the_command_an_emitted_kernel_names_regenerates_its_files_verbatim(tmp_
     assert done.returncode == 0, done.stderr
     for path in written:
         assert (tmp_path / "again" / path.name).read_bytes() == path.read_bytes(), path.name
+
+
+def test_a_tensors_alignment_in_launch_json_is_that_of_the_widest_access_the_kernel_makes_to_it(tmp_path):
+    # matmul_tc copies A and B 4 bytes at a time but stores C as v2.f32: a C 4- but not 8-byte aligned faulted with
+    # MISALIGNED_ADDRESS where the contract said 4
+    op = get_op("matmul_tc")
+    shape = op.shape(m=130, n=258, k=66, precision="bf16")
+    params = op.params_from_dict({**op.defaults(shape), "copy": 4})
+    paths = emit(op, shape, params, "sm_90", tmp_path, None)
+    launch = json.loads(next(p for p in paths if p.name.endswith(".launch.json")).read_text())
+    assert {k: t["alignment_bytes"] for k, t in launch["contract"]["tensors"].items()} == {"C": 8, "A": 4, "B": 4}
+    header = next(p for p in paths if p.suffix == ".h").read_text()
+    assert "(CUdeviceptr)C % 8 != 0" in header
+    census = build(op, shape, params, "sm_90").census
+    assert census.widest_access == {"A": 4, "B": 4, "C": 8}

@@ -9,6 +9,7 @@ import pytest
 from mage_gen import runtime
 from mage_gen.errors import LaunchError, NoGpuError
 from mage_gen.ops import get_op
+from mage_gen.variants import build
 
 LN = get_op("layernorm")
 torch = pytest.importorskip("torch")
@@ -262,7 +263,7 @@ def test_each_address_is_held_to_its_own_alignment_not_the_strictest(stub_driver
     params = mm.params_from_dict(mm.defaults(shape))
     alignments = {name: t["alignment_bytes"] for name, t in mm.contract(shape, params)["tensors"].items()}
     assert alignments == {"C": 16, "A": 4, "B": 16}
-    prepared = runtime.Prepared(mm, shape, params, {}, _Loaded())
+    prepared = runtime.Prepared(mm, shape, params, {}, _Loaded(), build(mm, shape, params, "sm_90").census)
     prepared.launch((0x10000, 0x20004, 0x30000), 7)  # A at 4 bytes past a 16: allowed
     assert stub_driver.count() == 1
     for bad in ((0x10004, 0x20000, 0x30000), (0x10000, 0x20002, 0x30000), (0x10000, 0x20000, 0)):
