@@ -34,7 +34,8 @@ from mage_gen.census import take_census
 from mage_gen.compile import compile_source
 from mage_gen.errors import GpuError, MageError
 from mage_gen.interp.gate import launch_with
-from mage_gen.measure import Bound, relative_error
+from mage_gen.measure import Bound
+from mage_gen.verdict import relative_error
 from mage_gen.ops import get_op
 from mage_gen.space import expand, load_space
 from mage_gen.variants import Variant, build

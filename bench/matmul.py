@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from mage_gen import gpu
-from mage_gen.measure import Bench, gate, interleave, relative_error
+from mage_gen.measure import Bench, gate, interleave
+from mage_gen.verdict import relative_error
 from mage_gen.ops import get_op
 from mage_gen.peers import make_peers
 from mage_gen.variants import build

@@ -24,7 +24,8 @@ import torch
 
 from mage_gen import gpu
 from mage_gen.errors import StoreError
-from mage_gen.measure import Bench, interleave, relative_error
+from mage_gen.measure import Bench, interleave
+from mage_gen.verdict import relative_error
 from mage_gen.ops import get_op
 from mage_gen.peers import make_peers
 from mage_gen.store import gpu_slug

@@ -29,7 +29,8 @@ import numpy as np
 from mage_gen import gpu
 from mage_gen.compile import DEFAULT_ARCH
 from mage_gen.errors import CompileError, ConfigError, GpuError, MageError, StoreError
-from mage_gen.measure import Bench, GateResult, gate
+from mage_gen.measure import Bench, gate
+from mage_gen.verdict import GateResult
 from mage_gen.ops import OPS, Op
 from mage_gen.store import load_entry, load_winner, store_file
 from mage_gen.variants import Variant, build

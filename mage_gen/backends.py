@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from mage_gen.errors import MageError
-from mage_gen.measure import Bench, Evaluation, GateResult, common_to_every_placement, interleave_placed
+from mage_gen.measure import Bench, Evaluation, common_to_every_placement, interleave_placed
+from mage_gen.verdict import GateResult
 from mage_gen.ops import Op
 from mage_gen.timing import Timing
 

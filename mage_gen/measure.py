@@ -27,13 +27,14 @@ import numpy as np
 
 from mage_gen import gpu
 from mage_gen.compile import compile_source
-from mage_gen.dtypes import DType, of_storage
+from mage_gen.dtypes import DType
 from mage_gen.dtypes import dtype as element_type
 from mage_gen.errors import GpuError
 from mage_gen.ops import Op
 from mage_gen.ops.base import tensor_maps
 from mage_gen.render import render
 from mage_gen.timing import Timing
+from mage_gen.verdict import GateResult, compare_outputs
 
 GUARD_BYTES = 4096  # fenced on each side of every output
 # per element size, a NaN with a payload no kernel computes, so any write to the fence shows
@@ -43,31 +44,6 @@ HOT_LAUNCHES_PER_GRAPH = 20
 # How long the GPU is held before each timed sample while the host queues it (hold): longer than any subject's host
 # path from the flush to its launch (Inductor's guards, Triton's launcher: tens of microseconds)
 HOLD_US = 1000
-
-
-@dataclass(frozen=True)
-class GateResult:
-    passed: bool
-    reason: str  # why it failed; empty when it passed
-    worst_error: float  # largest relative error over the runs (inf where a run failed outright)
-    errors: dict[str, float] = field(default_factory=dict)  # gate run ('m=37') -> relative error
-    fault: bool = False  # a CUDA error, not a wrong answer: the context may be unusable after it
-    host_s: float = 0.0  # of the gate's time, the host's: fresh inputs, their float64 reference, the comparison
-
-    def to_dict(self) -> dict:
-        return {"passed": self.passed, "reason": self.reason, "worst_error": self.worst_error,
-                "errors": dict(self.errors)}
-
-
-def relative_error(out: np.ndarray, ref: np.ndarray) -> float:
-    """‖out − ref‖ / ‖ref‖, out in any element type's storage (dtypes: uint16 holds bf16)."""
-    denom = float(np.linalg.norm(ref))
-    diff = float(np.linalg.norm(widen(out).astype(np.float64) - ref))
-    return diff / denom if denom else diff
-
-
-def widen(out: np.ndarray) -> np.ndarray:
-    return of_storage(out.dtype).widen(out)
 
 
 def fenced_output(shape: tuple[int, ...], element: DType) -> gpu.Buffer:
@@ -179,24 +155,6 @@ class Bound:
             if name not in self._borrowed:
                 buf.free()
         self.buffers.clear()
-
-
-def compare_outputs(op: Op, shape: Any, outputs: dict[str, np.ndarray],
-                    reference: dict[str, np.ndarray]) -> tuple[float, str]:
-    """The gate's verdict on outputs, wherever they were computed: (relative error, reason it failed or '');
-    any NaN fails."""
-    worst = 0.0
-    for name, ref in reference.items():
-        out = outputs[name]
-        if (nans := np.argwhere(np.isnan(widen(out)))).size:
-            return float("inf"), (f"{name} has {len(nans)} NaN (first at {tuple(int(i) for i in nans[0])}): "
-                                  "unwritten or computed NaN")
-        err = relative_error(out, ref)
-        worst = max(worst, err)
-        tolerance = op.tolerance_of(shape, name, of_storage(out.dtype))
-        if not err <= tolerance:
-            return err, f"{name} relative error {err:.3g} > tolerance {tolerance:g}"
-    return worst, ""
 
 
 Case = tuple[dict[str, np.ndarray], dict[str, np.ndarray]]  # fresh inputs, their float64 reference

@@ -11,7 +11,8 @@ import numpy as np
 
 from mage_gen.dtypes import BFLOAT16, FLOAT32, DType
 from mage_gen.dtypes import dtype as element_type
-from mage_gen.measure import FLUSH_BYTES, HOT_LAUNCHES_PER_GRAPH, compare_outputs, hold, interleave, own_lines_only
+from mage_gen.measure import FLUSH_BYTES, HOT_LAUNCHES_PER_GRAPH, hold, interleave, own_lines_only
+from mage_gen.verdict import compare_outputs
 from mage_gen.ops import Op
 
 try:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from mage_gen import gpu

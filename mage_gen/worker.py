@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mage_gen.errors import GpuError, MageError, NoGpuError
-from mage_gen.measure import Evaluation, GateResult
+from mage_gen.measure import Evaluation
+from mage_gen.verdict import GateResult
 
 MIN_TIMEOUT_S = 2.0
 FIRST_TIMEOUT_S = 120.0  # nothing measured yet: module load, the first references, peers' compiles

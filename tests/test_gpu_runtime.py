@@ -184,7 +184,8 @@ def test_raw_runtime_launches_on_a_stream_without_torch_wrappers():
 def test_the_gpu_comparison_agrees_with_the_cpu_gate_and_fails_nan(element):
     from mage_gen import gpu
     from mage_gen.dtypes import dtype
-    from mage_gen.measure import DeviceReference, compare_outputs
+    from mage_gen.measure import DeviceReference
+    from mage_gen.verdict import compare_outputs
 
     kind = dtype(element)
     gpu.open_device()

@@ -5,6 +5,8 @@ cp.async data, unknown instruction) is reported with the instruction, thread and
 import dataclasses
 import random
 import re
+import subprocess
+import sys
 from fractions import Fraction
 from functools import cache
 
@@ -15,7 +17,7 @@ from hypothesis import strategies as st
 
 from mage_gen import interp
 from mage_gen.interp.fp import fma_f32
-from mage_gen.measure import relative_error
+from mage_gen.verdict import relative_error
 from mage_gen.ops import get_op
 from mage_gen.ops.layernorm import Params as LnParams
 from mage_gen.ops.matmul import Params as MmParams
@@ -576,3 +578,11 @@ def test_float_comparisons_and_nan(cmp):
             want = base[cmp](F, G) & ~unordered
     got = one_instruction(f"setp.{cmp}.f32 %p1, %f1, %f2", F.view(np.uint32), G.view(np.uint32), np.int32)
     assert (got == want).all()
+
+
+def test_the_interpreter_never_imports_the_gpu_module():
+    # it runs where there is no driver: nothing of it may reach cuda.bindings, directly or through measure
+    code = ("import sys, mage_gen.interp; "
+            "print(sorted(m for m in ('mage_gen.gpu', 'mage_gen.measure', 'cuda.bindings.driver') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", (done.stdout, done.stderr)

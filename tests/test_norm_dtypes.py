@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from mage_gen import interp
 from mage_gen.dtypes import BFLOAT16, FLOAT16, FLOAT32, dtype
 from mage_gen.errors import ConfigError
-from mage_gen.measure import compare_outputs
+from mage_gen.verdict import compare_outputs
 from mage_gen.ops import get_op
 from mage_gen.ops.base import shape_dict
 from mage_gen.space import draw, expand, load_space

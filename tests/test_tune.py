@@ -830,18 +830,17 @@ def test_a_replay_writes_no_tuned_entry_study_or_kernel_unless_given_paths(recor
     assert written == [], written  # no tuned/, no study under the user data folder, no kernels/
 
 
-def test_cli_tune_without_a_gpu_compiles_then_says_a_gpu_is_needed(tmp_path):
-    # CUDA_VISIBLE_DEVICES="" hides a GPU where there is one; the rest keeps a stray run out of real folders.
+def test_cli_tune_without_a_gpu_says_so_at_once_and_compiles_nothing(tmp_path):
+    # It used to compile the whole preset first: hours at the full one. CUDA_VISIBLE_DEVICES="" hides a GPU where
+    # there is one; the rest keeps a stray run out of real folders.
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "MAGE_GEN_TUNED": str(tmp_path / "tuned"),
-           "XDG_DATA_HOME": str(tmp_path / "data")}
-    done = mage_gen("tune", "layernorm", "--d", "768", env=env, cwd=tmp_path)
+           "XDG_DATA_HOME": str(tmp_path / "data"), "MAGE_GEN_CACHE": str(tmp_path / "cache")}
+    done = mage_gen("tune", "layernorm", "--d", "768", "--preset", "full", env=env, cwd=tmp_path)
     assert done.returncode == 2
-    lines = done.stderr.strip().splitlines()
     assert "Traceback" not in done.stderr and done.stdout == ""
-    valid, _ = expand(OP, SHAPE, QUICK)
-    assert lines[0].startswith(f"compiling {len(valid)} variants")  # the plan, then progress (not a terminal)
-    assert lines[-1].startswith(f"mage-gen: error: compiled and counted {len(valid)} valid variants")
-    assert "GPU" in lines[-1] and not any("error" in line for line in lines[:-1])
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()]
+    assert "needs an NVIDIA GPU" in done.stderr and "`mage-gen variants layernorm --d 768 --preset full`" in done.stderr
+    assert not (tmp_path / "cache").exists(), "it compiled"
     assert not (tmp_path / "tuned").exists() and not (tmp_path / "kernels").exists()
 
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import pytest
 
 from mage_gen.errors import GpuError, MageError, NoGpuError
-from mage_gen.measure import Evaluation, GateResult
+from mage_gen.measure import Evaluation
+from mage_gen.verdict import GateResult
 from mage_gen.timing import Timing
 from mage_gen.worker import IsolatedBackend
 

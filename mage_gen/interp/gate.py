@@ -11,7 +11,7 @@ from mage_gen.interp.errors import InterpError
 from mage_gen.interp.hopper import TensorMap
 from mage_gen.interp.launch import Stats, run
 from mage_gen.ops.base import tensor_maps
-from mage_gen.measure import GateResult, compare_outputs, relative_error, widen
+from mage_gen.verdict import GateResult, compare_outputs, relative_error, widen
 
 
 def launch_with(op, shape: Any, variant: Any, run_sizes: dict[str, int], inputs: dict[str, np.ndarray],

@@ -13,7 +13,7 @@ from mage_gen.interp.errors import InterpError
 from mage_gen.interp.hopper import AsyncState, HangError, TensorMap
 from mage_gen.interp.memory import Global, Shared
 from mage_gen.interp.program import LANES, Program
-from mage_gen.interp.warp import BARRIER, DONE, Warp
+from mage_gen.interp.warp import Warp
 
 _PACK = {"u8": "<B", "s8": "<b", "b8": "<B", "u16": "<H", "s16": "<h", "b16": "<H", "u32": "<I", "s32": "<i",
          "b32": "<I", "u64": "<Q", "s64": "<q", "b64": "<Q", "f32": "<f", "f64": "<d"}

@@ -22,7 +22,6 @@ the relative norm): 2⁻²⁴·K + 1e-6, plus 2⁻⁸ where C is bf16.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
