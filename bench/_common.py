@@ -17,7 +17,7 @@ import torch
 from mage_gen import __version__, gpu
 from mage_gen.compile import nvrtc_version
 from mage_gen.errors import StoreError
-from mage_gen.measure import FLUSH_BYTES, HOT_LAUNCHES_PER_GRAPH
+from mage_gen.measure import HOT_LAUNCHES_PER_GRAPH, flush_bytes
 from mage_gen.ops import get_op
 from mage_gen.ops.rmsnorm import RMSNorm
 from mage_gen.runtime import Prepared
@@ -139,7 +139,7 @@ def timing_method(rounds: int, per_round: int) -> dict[str, str]:
     return {"hot": f"{HOT_LAUNCHES_PER_GRAPH} launches per CUDA graph, {rounds} rounds × {per_round} replays "
                    "interleaved with the peers, each round after L2's persisting lines were reset and one "
                    "warm-up replay, median per launch, spread = interquartile range",
-            "cold": f"L2's persisting lines reset and {FLUSH_BYTES >> 20} MB written before each launch, {rounds} "
+            "cold": f"L2's persisting lines reset and {flush_bytes() >> 20} MB written before each launch, {rounds} "
                     f"rounds × {per_round} launches interleaved"}
 
 

@@ -61,7 +61,7 @@ def main() -> None:
         print(f"{name} {m}x{d} cold, no reset → reset: {line}", flush=True)
     doc = {"what": "each subject timed cold without and with the persisting L2 lines reset before the flush",
            "method": {"passes": PASSES, "per_round": PER_ROUND, "hold_us": measure.HOLD_US,
-                      "cold": f"{measure.FLUSH_BYTES >> 20} MB written before each launch, behind a hold; "
+                      "cold": f"{measure.flush_bytes() >> 20} MB written before each launch, behind a hold; "
                               "with cuCtxResetPersistingL2Cache called before each sample, or not"},
            **provenance(device), "shapes": rows}
     out = write_result(device, "cold_flush_probe.json", json.dumps(doc, indent=1) + "\n")

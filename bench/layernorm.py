@@ -59,11 +59,12 @@ def _empty_kernel(X):
 
 
 def floor_subjects(m: int, d: int) -> list[TorchSubject]:
-    """The copies of the bytes a layer norm moves (bench/_copy.py) and empty kernels on M blocks and on 528."""
+    """The copies of the bytes a layer norm moves (bench/_copy.py) and empty kernels on M blocks and on 4 per SM."""
     x = torch.empty(1, device="cuda")
+    blocks = 4 * gpu.open_device().sms
     return [*copy_subjects(2 * m * d * 4),
             TorchSubject("floor:empty_grid_m", lambda: _empty_kernel[(m,)](x, num_warps=4)),
-            TorchSubject(f"floor:empty_grid_{4 * 132}", lambda: _empty_kernel[(4 * 132,)](x, num_warps=4))]
+            TorchSubject(f"floor:empty_grid_{blocks}", lambda: _empty_kernel[(blocks,)](x, num_warps=4))]
 
 
 def bench_shape(op, m: int, d: int, params, device, copy_bytes_per_us: float) -> dict:

@@ -100,7 +100,7 @@ def main() -> None:
            "method": {"hold_us": measure.HOLD_US, "passes": PASSES, "per_round": PER_ROUND,
                       "hot": f"{measure.HOT_LAUNCHES_PER_GRAPH} launches per CUDA graph; with the hold, a round's "
                              "replays queued back to back behind it, an event between each",
-                      "cold": f"{measure.FLUSH_BYTES >> 20} MB written before each launch; with the hold, behind it"},
+                      "cold": f"{measure.flush_bytes() >> 20} MB written before each launch; with the hold, behind it"},
            **provenance(device), "shapes": rows}
     out = write_result(device, "timing_hold_probe.json", json.dumps(doc, indent=1) + "\n")
     print(f"wrote {out}", file=sys.stderr)

@@ -39,7 +39,7 @@ from mage_gen.verdict import GateResult, compare_outputs
 GUARD_BYTES = 4096  # fenced on each side of every output
 # per element size, a NaN with a payload no kernel computes, so any write to the fence shows
 GUARD_BITS = {4: 0x7FBADBAD, 2: 0x7FBD}
-FLUSH_BYTES = 256 << 20  # over 4× the H200's 60 MB L2
+MIN_FLUSH_BYTES = 256 << 20  # the least a cold sample writes before its launch
 HOT_LAUNCHES_PER_GRAPH = 20
 # How long the GPU is held before each timed sample while the host queues it (hold): longer than any subject's host
 # path from the flush to its launch (Inductor's guards, Triton's launcher: tens of microseconds)
@@ -347,9 +347,15 @@ def own_lines_only() -> None:
     gpu.reset_persisting_l2()
 
 
+def flush_bytes() -> int:
+    """What a cold sample writes before its launch: four times this GPU's L2 (as the driver reports it), and at
+    least MIN_FLUSH_BYTES, so that none of the inputs' lines survive in it."""
+    return max(MIN_FLUSH_BYTES, 4 * gpu.open_device().l2_bytes)
+
+
 @cache
 def flush_buffer() -> gpu.Buffer:
-    return gpu.Buffer(FLUSH_BYTES)
+    return gpu.Buffer(flush_bytes())
 
 
 class KernelSubject:

@@ -11,7 +11,7 @@ import numpy as np
 
 from mage_gen.dtypes import BFLOAT16, FLOAT32, DType
 from mage_gen.dtypes import dtype as element_type
-from mage_gen.measure import FLUSH_BYTES, HOT_LAUNCHES_PER_GRAPH, hold, interleave, own_lines_only
+from mage_gen.measure import HOT_LAUNCHES_PER_GRAPH, flush_bytes, hold, interleave, own_lines_only
 from mage_gen.verdict import compare_outputs
 from mage_gen.ops import Op
 
@@ -186,7 +186,7 @@ _FLUSH: list = []
 
 def _torch_flush_buffer():
     if not _FLUSH:
-        _FLUSH.append(torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda"))
+        _FLUSH.append(torch.empty(flush_bytes() // 4, dtype=torch.int32, device="cuda"))
     return _FLUSH[0]
 
 
