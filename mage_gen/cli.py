@@ -33,11 +33,12 @@ from mage_gen.space import expand, load_space, preset_names
 from mage_gen.store import (Winner, check_can_save, current_winners, entry_key, load_winners, pick_winner, save_entry,
                             shape_entries, stored_axes, stored_params, tuned_dirs, tuned_shapes)
 from mage_gen.timing import OBJECTIVES, Timing, by_objective
-from mage_gen.variants import Variant, build, build_all, check_op_arch
+from mage_gen.variants import Variant, build, build_each, check_op_arch
 
 # What only `tune` needs (Optuna, the measuring worker, and through the final round torch and Triton) is
 # imported inside it: every other command starts without them.
 EXHAUSTIVE_LIMIT, DEFAULT_TPE_TRIALS = 64, 96  # mage_gen.tune's; a test holds the two in step
+MANY_VARIANTS = 2000  # a compile of more says how long it may take before it starts
 
 # Plain help: the rich help tags every flag with a type (--json <bool>), as if it took a value.
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -301,8 +302,10 @@ def variants(
     sms: Optional[int] = typer.Option(None, "--sms", min=1, help="SMs of the GPU a grid given per SM in the space "
                                       "(grid_cap \"4/SM\") is sized for (default: this machine's GPU; without "
                                       "one, those configs are left out)"),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="at most this many of the valid variants, spread "
+                                        "evenly over the preset"),
 ) -> None:
-    """Compile every valid variant of a preset and list each with its census."""
+    """Compile every valid variant of a preset (or --limit of them) and list each with its census."""
     op = get_op(op_name)
     shape, run = _problem(op, _shape_only_config(op, config), d=d, m=m, n=n, k=k, dtype=dtype,
                           weight_dtype=weight_dtype, precision=precision)
@@ -318,26 +321,42 @@ def variants(
     if not valid:
         raise MageError(f"space: no config of preset {space.preset} is valid for {op.name} {shape_dict(shape)}; first "
                         f"rejection: {rejected[0][1] if rejected else 'none'}; try a wider --preset ({_PRESETS})")
-    started = time.monotonic()
-    with _compiling(len(valid), f"{op.name} {shape_dict(shape)} preset {space.preset} for {arch}") as advance:
-        built = build_all(op, shape, valid, arch, progress=advance)
-    cached = sum(v.compiled.from_cache for v in built)
-    err.print(f"{len(built)} variants in {time.monotonic() - started:.0f} s: {len(built) - cached} compiled, {cached} "
-              f"read from the compile cache{left_out}", markup=False, highlight=False, soft_wrap=True)
-    if as_json:
+    valid_count = len(valid)
+    if limit is not None and limit < len(valid):
+        valid = valid[::-(-len(valid) // limit)][:limit]
+    if valid_count > MANY_VARIANTS:  # said before the work starts: a full preset is hours on a small machine
+        cores = os.cpu_count() or 1
+        _log(f"{valid_count} valid variants: at about a second of one core each, {valid_count / cores / 60:.0f} min on "
+             f"this machine's {cores} cores (cached ones are read back at once); "
+             + ("--limit N compiles N of them" if len(valid) == valid_count else f"--limit: compiling {len(valid)}"))
+    started, cached, rows = time.monotonic(), 0, []
+    if as_json:  # written as the variants come, none of them held
         print(json.dumps({"op": op.name, "shape": shape_dict(shape), "preset": space.preset, "arch": arch,
-                          "rejected": len(rejected),
-                          "variants": [_variant_dict(op, shape, v, run) for v in built]}, indent=2))
+                          "rejected": len(rejected), "variants": []}, indent=2)[:-4] + "[")
+    with _compiling(len(valid), f"{op.name} {shape_dict(shape)} preset {space.preset} for {arch}") as advance:
+        for i, v in enumerate(build_each(op, shape, valid, arch, progress=advance)):
+            cached += v.compiled.from_cache
+            if as_json:
+                text = json.dumps(_variant_dict(op, shape, v, run), indent=2)
+                print(("" if i == 0 else ",\n") + "\n".join("    " + line for line in text.splitlines()), end="")
+                continue
+            c = v.census
+            smem = c.shared_bytes + op.geometry(shape, v.params, run).dynamic_shared_bytes
+            rows.append((v.params.label(), str(c.registers), str(smem), str(c.spill_bytes),
+                         _loads_summary(op, shape, c), _cp_async_summary(c), _passes_summary(c), str(c.bar_sync),
+                         str(c.shfl_sync)))
+    limited = f" (--limit {limit} of {valid_count} valid)" if len(valid) < valid_count else ""
+    err.print(f"{len(valid)} variants{limited} in {time.monotonic() - started:.0f} s: {len(valid) - cached} compiled, "
+              f"{cached} read from the compile cache{left_out}", markup=False, highlight=False, soft_wrap=True)
+    if as_json:
+        print("\n  ]\n}")
         return
-    table = Table(title=f"{op.name} {shape_dict(shape)}: {len(built)} valid variants of preset {space.preset} "
+    table = Table(title=f"{op.name} {shape_dict(shape)}: {len(valid)} valid variants of preset {space.preset}{limited} "
                         f"({len(rejected)} combinations rejected), {arch}")
     for column in ("params", "regs", "smem B", "spill B", "global loads", "cp.async", "passes", "bar.sync", "shfl"):
         table.add_column(column, justify="left" if column == "params" else "right")
-    for v in built:
-        c = v.census
-        smem = c.shared_bytes + op.geometry(shape, v.params, run).dynamic_shared_bytes
-        table.add_row(v.params.label(), str(c.registers), str(smem), str(c.spill_bytes), _loads_summary(op, shape, c),
-                      _cp_async_summary(c), _passes_summary(c), str(c.bar_sync), str(c.shfl_sync))
+    for row in rows:
+        table.add_row(*row)
     out.print(table)
 
 

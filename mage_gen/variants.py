@@ -137,23 +137,27 @@ def _build_one(job: tuple[str, Any, Any, str]) -> Variant:
 def build_all(op: Op, shape: Any, params_list: Sequence[Any], arch: str,
               progress: Callable[[], None] | None = None, workers: int | None = None) -> list[Variant]:
     """Build every variant, returned in input order; compiles run in worker processes, one per core."""
+    return list(build_each(op, shape, params_list, arch, progress, workers))
+
+
+def build_each(op: Op, shape: Any, params_list: Sequence[Any], arch: str,
+               progress: Callable[[], None] | None = None, workers: int | None = None) -> Iterator[Variant]:
+    """The variants one by one as they are built, in input order, none held after it is yielded (a whole space of
+    10⁴ variants is gigabytes of PTX and cubins)."""
     check_op_arch(op, arch, shape)
     jobs = [(op.name, shape, p, arch) for p in params_list]
     workers = workers or min(len(jobs), os.cpu_count() or 1)
     if workers <= 1:
-        results = []
         for job in jobs:
-            results.append(_build_one(job))
+            yield _build_one(job)
             if progress:
                 progress()
-        return results
+        return
     with _workers(workers) as pool:
-        results = []
         for variant in pool.imap(_build_one, jobs, chunksize=4):
-            results.append(variant)
+            yield variant
             if progress:
                 progress()
-        return results
 
 
 def _compile_one(job: tuple[str, Any, Any, str]) -> bool:

@@ -254,7 +254,10 @@ def interrupt_a_parallel_compile(cache, after_s: float, interrupts: int = 1, how
                              "full"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
-        assert proc.stderr.readline().startswith("compiling ")
+        line = proc.stderr.readline()
+        if line.endswith("--limit N compiles N of them\n"):  # how long the full preset takes, said first
+            line = proc.stderr.readline()
+        assert line.startswith("compiling "), line
         time.sleep(after_s)
         for _ in range(interrupts):
             (os.killpg if group else os.kill)(proc.pid, getattr(signal, how))
@@ -330,3 +333,17 @@ def test_a_whole_number_with_a_zero_fraction_is_taken_alike_in_sizes_and_config(
     assert sizes.returncode == config.returncode == 0, sizes.stderr + config.stderr
     assert json.loads(sizes.stdout)["shape"] == {"d": 768}
     assert json.loads(config.stdout)["params"]["threads"] == 128
+
+
+def test_variants_says_how_long_a_big_preset_takes_before_it_starts_and_compiles_only_its_limit(monkeypatch, capsys):
+    from mage_gen import cli
+
+    monkeypatch.setattr(cli, "MANY_VARIANTS", 100)  # the quick preset at d = 768 (154 valid) counts as big here
+    with pytest.raises(SystemExit) as done:
+        monkeypatch.setattr(sys, "argv", ["mage-gen", "variants", "layernorm", "--d", "768", "--limit", "3", "--json"])
+        cli.main()
+    assert done.value.code == 0
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert lines[0].startswith("154 valid variants: at about a second of one core each") and "--limit: compiling 3" in lines[0]
+    assert len(json.loads(captured.out)["variants"]) == 3
