@@ -250,8 +250,10 @@ def interrupt_a_parallel_compile(cache, after_s: float, interrupts: int = 1, how
     env = {**os.environ, "MAGE_GEN_CACHE": str(cache)}
     # SIGINT at its default, as a terminal gives it: a test run started in the background (`cmd &`) inherits it
     # ignored, and so would the command, which then rightly ignores Ctrl-C
+    # the long preset: a thousand variants, minutes of compiling, and a space expanded in a moment (the full one
+    # takes two minutes before the first compile)
     proc = subprocess.Popen([sys.executable, "-m", "mage_gen", "variants", "layernorm", "--d", "1000", "--preset",
-                             "full"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                             "long"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         line = proc.stderr.readline()
