@@ -15,7 +15,7 @@ import torch
 import mage_gen.runtime as rt
 import mage_gen.torch as mt
 from mage_gen.ops import get_op
-from mage_gen.peers import _triton_layernorm, _triton_rmsnorm
+from mage_gen.peers import triton_layernorm, triton_rmsnorm
 
 M, D = int(os.environ.get("NORM_M", "16384")), int(os.environ.get("NORM_D", "8192"))
 kind, opname, cfg = sys.argv[1:4]
@@ -27,16 +27,16 @@ if kind == "triton":
     warps = int(cfg)
     for _ in range(5):
         if opname == "layernorm":
-            k = _triton_layernorm[(M,)](x, y, w, b, D, 1e-5, x, x, BLOCK=D, RESIDUAL=False, num_warps=warps)
+            k = triton_layernorm[(M,)](x, y, w, b, D, 1e-5, x, x, BLOCK=D, RESIDUAL=False, num_warps=warps)
         else:
-            k = _triton_rmsnorm[(M,)](x, y, w, D, 1e-6, x, x, BLOCK=D, RESIDUAL=False, num_warps=warps)
+            k = triton_rmsnorm[(M,)](x, y, w, D, 1e-6, x, x, BLOCK=D, RESIDUAL=False, num_warps=warps)
     torch.cuda.synchronize()
     print("triton", opname, warps, "regs", getattr(k, "n_regs", None), "spills", getattr(k, "n_spills", None))
     print(k.asm["ptx"].count("ld.global"), "ld.global;", k.asm["ptx"].count("bar.sync"), "bar.sync")
 else:
     if cfg != "tuned":
         params = get_op(opname).params_from_dict(json.loads(cfg))
-        rt._choose = lambda *a, **k: params  # this config, not the tuned entry
+        rt.choose = lambda *a, **k: params  # this config, not the tuned entry
     for _ in range(5):
         out = mt.layer_norm(x, w, b) if opname == "layernorm" else mt.rms_norm(x, w)
     torch.cuda.synchronize()

@@ -23,7 +23,7 @@ from mage_gen import gpu
 from mage_gen.dtypes import dtype as element_type
 from mage_gen.measure import interleave
 from mage_gen.ops import get_op
-from mage_gen.peers import TorchSubject, _triton_rmsnorm
+from mage_gen.peers import TorchSubject, triton_rmsnorm
 
 M, D, EPS, WARPS = 4096, 8192, 1e-6, 8
 
@@ -36,7 +36,7 @@ def tensors(seed: int):
 
 def triton_compiled_now():
     """A fresh JIT function object: Triton compiles it at its first launch, under the settings then in force."""
-    return type(_triton_rmsnorm)(_triton_rmsnorm.fn)
+    return type(triton_rmsnorm)(triton_rmsnorm.fn)
 
 
 device = gpu.open_device()

@@ -25,7 +25,7 @@ from mage_gen import gpu
 from mage_gen.dtypes import dtype as element_type
 from mage_gen.measure import GUARD_BYTES, Bench, interleave
 from mage_gen.ops import get_op
-from mage_gen.peers import TorchSubject, _triton_layernorm, _triton_rmsnorm, on_gpu, to_torch
+from mage_gen.peers import TorchSubject, triton_layernorm, triton_rmsnorm, on_gpu, to_torch
 from mage_gen.store import load_winner
 from mage_gen.variants import build
 
@@ -35,7 +35,7 @@ WARPS = (4, 8, 16)
 
 
 def triton_subject(name, opname, x, y, w, b, m, d, warps):
-    kernel = _triton_layernorm if opname == "layernorm" else _triton_rmsnorm
+    kernel = triton_layernorm if opname == "layernorm" else triton_rmsnorm
 
     def go():
         if opname == "layernorm":

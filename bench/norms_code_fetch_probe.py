@@ -23,7 +23,7 @@ sys.path.insert(0, "bench")
 from _common import provenance, stored_case, write_result
 
 from mage_gen import gpu
-from mage_gen.measure import Bench, Bound, _hold_kernel, flush_buffer, hold, own_lines_only
+from mage_gen.measure import Bench, Bound, hold_kernel, flush_buffer, hold, own_lines_only
 from mage_gen.timing import Timing
 from mage_gen.variants import build
 
@@ -51,7 +51,7 @@ def main() -> None:
         stream, flush, events = bench.stream, flush_buffer(), gpu.EventPair()
         ways = {"as timed": None,
                 "after a one-row launch": lambda: one_row.enqueue(stream.handle),
-                "after a hold": lambda: _hold_kernel().launch((1, 1, 1), (1, 1, 1), 0,
+                "after a hold": lambda: hold_kernel().launch((1, 1, 1), (1, 1, 1), 0,
                                                               gpu.KernelArgs([("i64", GAP_NS)]), stream.handle)}
         samples = {w: [] for w in ways}
         try:

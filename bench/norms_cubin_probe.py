@@ -11,7 +11,7 @@ timed hot and cold, interleaved, beside the copy. Writes bench/results/<gpu>/nor
 
 The cubins of norms_cubin_probe.json: ours_nvrtc is the winner's cubin from NVRTC 13.0; ours_px13* its PTX
 through ptxas 13.0 (-arch=sm_90 or sm_90a, -lineinfo or not); ours_px128* the same PTX, .version lowered to 8.7,
-through Triton 3.6's ptxas 12.8; tri_* Triton's PTX of _triton_rmsnorm (BLOCK 8192, 8 warps, pointers and N
+through Triton 3.6's ptxas 12.8; tri_* Triton's PTX of triton_rmsnorm (BLOCK 8192, 8 warps, pointers and N
 divisible by 16, compiled for sm_90 on the CPU) through ptxas 13.0 and 12.8. Both assemblers give each PTX the
 same SASS (cuobjdump -sass).
 """
@@ -32,7 +32,7 @@ from mage_gen.peers import TorchSubject
 
 M, D, EPS = 4096, 8192, 1e-6
 OURS = ("rmsnorm_row_d8192_bf16_t384_v8_r1_approx_nc_wearly_b3", (M, 1, 1), (384, 1, 1), 0)
-TRITON = ("_triton_rmsnorm", (M, 1, 1), (256, 1, 1), 32)  # 8 warps; 32 bytes of shared memory, as Triton launches it
+TRITON = ("triton_rmsnorm", (M, 1, 1), (256, 1, 1), 32)  # 8 warps; 32 bytes of shared memory, as Triton launches it
 
 device = gpu.open_device()
 op = get_op("rmsnorm")

@@ -81,7 +81,7 @@ def main() -> None:
                 dst.copy_(x)
             if reset:
                 torch.cuda.synchronize()
-                gpu._check(cu.cuCtxResetPersistingL2Cache(), "cuCtxResetPersistingL2Cache")
+                gpu.check(cu.cuCtxResetPersistingL2Cache(), "cuCtxResetPersistingL2Cache")
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             dst.copy_(x)

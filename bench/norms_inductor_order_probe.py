@@ -28,7 +28,7 @@ M, D = 4096, 8192
 def triton_kernels() -> list[dict]:
     """Every compiled kernel of the Triton RMSNorm peer in this process: what a later compile could replace."""
     found = []
-    for caches in getattr(peers._triton_rmsnorm, "device_caches", {}).values():
+    for caches in getattr(peers.triton_rmsnorm, "device_caches", {}).values():
         cache = caches[0] if isinstance(caches, tuple) else caches
         for key, kernel in cache.items():
             try:

@@ -24,7 +24,7 @@ from _common import prepared, winner_params, write_result
 from mage_gen import gpu
 from mage_gen.measure import flush_buffer
 from mage_gen.ops import get_op
-from mage_gen.peers import _triton_rmsnorm
+from mage_gen.peers import triton_rmsnorm
 from mage_gen.variants import build
 
 OFFSETS = (0, 4096, 65536, 2 ** 20 + 4096)
@@ -50,7 +50,7 @@ def main() -> None:
         kernels[name] = variant.source.kernel_name
         launchers[name] = (lambda y, f=fixed: f.launch([y.data_ptr(), x.data_ptr(), w.data_ptr(), M, EPS],
                                                        torch.cuda.current_stream().cuda_stream))
-    launchers["triton w8"] = lambda y: _triton_rmsnorm[(M,)](x, y, w, D, EPS, x, y, BLOCK=D, RESIDUAL=False,
+    launchers["triton w8"] = lambda y: triton_rmsnorm[(M,)](x, y, w, D, EPS, x, y, BLOCK=D, RESIDUAL=False,
                                                              num_warps=8)
     for name, launch in launchers.items():
         for offset, y in ys.items():

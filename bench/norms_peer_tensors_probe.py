@@ -24,7 +24,7 @@ import mage_gen.torch as mt
 from mage_gen import gpu
 from mage_gen.measure import Bench, interleave
 from mage_gen.ops import get_op
-from mage_gen.peers import TorchSubject, _triton_rmsnorm, make_peers
+from mage_gen.peers import TorchSubject, triton_rmsnorm, make_peers
 from mage_gen.store import load_winner
 from mage_gen.variants import build
 
@@ -48,7 +48,7 @@ fresh = {name: torch.full_like(x, float("nan")) for name in ("ours", "triton")}
 extra = {
     "mage-gen on the peer's x, fresh y": (lambda: mt.rms_norm(x, w, EPS, out=fresh["ours"]), fresh["ours"]),
     "mage-gen on the peer's x and y": (lambda: mt.rms_norm(x, w, EPS, out=y_peer), y_peer),
-    "triton on the peer's x, fresh y": (lambda: _triton_rmsnorm[(M,)](x, fresh["triton"], w, D, EPS, x, fresh["triton"],
+    "triton on the peer's x, fresh y": (lambda: triton_rmsnorm[(M,)](x, fresh["triton"], w, D, EPS, x, fresh["triton"],
                                                                       BLOCK=D, RESIDUAL=False, num_warps=warps),
                                         fresh["triton"]),
 }

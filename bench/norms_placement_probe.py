@@ -21,7 +21,7 @@ from mage_gen import gpu
 from mage_gen.dtypes import dtype as element_type
 from mage_gen.measure import interleave
 from mage_gen.ops import get_op
-from mage_gen.peers import TorchSubject, _triton_rmsnorm
+from mage_gen.peers import TorchSubject, triton_rmsnorm
 
 M, D, EPS = 4096, 8192, 1e-6
 MB = 1 << 20
@@ -57,7 +57,7 @@ for offset in OFFSETS:
         return mt.rms_norm(x, w, EPS, out=y)
 
     def triton_(y=y):
-        _triton_rmsnorm[(M,)](x, y, w, D, EPS, x, y, BLOCK=D, RESIDUAL=False, num_warps=WARPS)
+        triton_rmsnorm[(M,)](x, y, w, D, EPS, x, y, BLOCK=D, RESIDUAL=False, num_warps=WARPS)
         return y
 
     def copy(y=y):

@@ -19,7 +19,7 @@ for m, d, res in ((16384, 8192, False), (32768, 4096, True), (4096, 8192, False)
     w = torch.randn(d, device="cuda", dtype=torch.bfloat16, generator=g)
     r = torch.randn(m, d, device="cuda", dtype=torch.bfloat16, generator=g) if res else None
     shape = op.shape(d=d, dtype="bf16", residual=res)
-    name = op.kernel_name(shape, rt._choose(op, shape, {"m": m}, dev, True))
+    name = op.kernel_name(shape, rt.choose(op, shape, {"m": m}, dev, True))
     out = mt.rms_norm(x, w, 1e-6, residual=r)
     y, h = out if res else (out, None)
     hx = (x + r) if res else x

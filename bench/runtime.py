@@ -64,15 +64,15 @@ def eager(x, w, b) -> dict:
 
 def breakdown(x, w, b) -> dict:
     """Where an eager call's time goes: each step alone, CALLS times, synchronized once (median of ROUNDS)."""
-    from mage_gen.torch import _check_norm, _eager, _launches
+    from mage_gen.torch import check_norm, is_eager, launches
 
     y = torch.empty_like(x)
     mt.layer_norm(x, w, b)
-    prepared = _launches[(x.get_device(), "layernorm", D, M)]
+    prepared = launches[(x.get_device(), "layernorm", D, M)]
     stream = torch.cuda.current_stream().cuda_stream
     values = (y.data_ptr(), x.data_ptr(), w.data_ptr(), b.data_ptr(), M, 1e-5)
-    steps = {"wrapper checks (_eager + _check_norm)": lambda: (_eager(x, w, b),
-                                                              _check_norm("mage_gen.torch.layer_norm", x, w, b)),
+    steps = {"wrapper checks (is_eager + check_norm)": lambda: (is_eager(x, w, b),
+                                                              check_norm("mage_gen.torch.layer_norm", x, w, b)),
              "torch.empty_like(x)": lambda: torch.empty_like(x),
              "Prepared.launch (alignment, pack, cuLaunchKernel)": lambda: prepared.launch(values, stream),
              "torch stream lookup": lambda: torch._C._cuda_getCurrentRawStream(0),

@@ -57,7 +57,7 @@ def unheld_cold(s):
                 s.events.stop(s.stream)
                 out.append(s.events.elapsed_us())
             else:
-                peers._torch_flush_buffer().zero_()
+                peers.torch_flush_buffer().zero_()
                 s._begin.record()
                 s.run()
                 s._end.record()

@@ -18,7 +18,7 @@ from mage_gen.errors import GpuError, NoGpuError
 NAN_BITS = 0x7FC00000  # the float32 quiet NaN that poisons outputs before a launch
 
 
-def _check(result: Any, call: str) -> Any:
+def check(result: Any, call: str) -> Any:
     err, *values = result if isinstance(result, tuple) else (result,)
     if err != cu.CUresult.CUDA_SUCCESS:
         _, name = cu.cuGetErrorName(err)
@@ -49,39 +49,39 @@ class Buffer:
 
     def __init__(self, nbytes: int):
         self.nbytes = nbytes
-        self.ptr = int(_check(cu.cuMemAlloc(max(nbytes, 4)), "cuMemAlloc"))
+        self.ptr = int(check(cu.cuMemAlloc(max(nbytes, 4)), "cuMemAlloc"))
 
     def upload(self, array: np.ndarray, offset_bytes: int = 0) -> None:
         data = np.ascontiguousarray(array)
-        _check(cu.cuMemcpyHtoD(self.ptr + offset_bytes, data.ctypes.data, data.nbytes), "cuMemcpyHtoD")
+        check(cu.cuMemcpyHtoD(self.ptr + offset_bytes, data.ctypes.data, data.nbytes), "cuMemcpyHtoD")
 
     def download(self, dtype: Any = np.float32) -> np.ndarray:
         out = np.empty(self.nbytes // np.dtype(dtype).itemsize, dtype=dtype)
-        _check(cu.cuMemcpyDtoH(out.ctypes.data, self.ptr, out.nbytes), "cuMemcpyDtoH")
+        check(cu.cuMemcpyDtoH(out.ctypes.data, self.ptr, out.nbytes), "cuMemcpyDtoH")
         return out
 
     def download_range(self, offset_bytes: int, count: int, dtype: Any = np.float32) -> np.ndarray:
         out = np.empty(count, dtype=dtype)
-        _check(cu.cuMemcpyDtoH(out.ctypes.data, self.ptr + offset_bytes, out.nbytes), "cuMemcpyDtoH")
+        check(cu.cuMemcpyDtoH(out.ctypes.data, self.ptr + offset_bytes, out.nbytes), "cuMemcpyDtoH")
         return out
 
     def copy_from(self, source: Buffer) -> None:
         """A device-to-device copy of source's bytes into the start of this buffer, finished when it returns:
         work queued on a non-blocking stream does not wait for the legacy stream an async copy would use."""
-        _check(cu.cuMemcpyDtoD(self.ptr, source.ptr, source.nbytes), "cuMemcpyDtoD")
+        check(cu.cuMemcpyDtoD(self.ptr, source.ptr, source.nbytes), "cuMemcpyDtoD")
         synchronize()
 
     def fill32(self, bits: int, stream: Any = 0, offset_bytes: int = 0, count: int | None = None) -> None:
         count = (self.nbytes - offset_bytes) // 4 if count is None else count
-        _check(cu.cuMemsetD32Async(self.ptr + offset_bytes, bits, count, stream), "cuMemsetD32Async")
+        check(cu.cuMemsetD32Async(self.ptr + offset_bytes, bits, count, stream), "cuMemsetD32Async")
 
     def fill16(self, bits: int, stream: Any = 0, offset_bytes: int = 0, count: int | None = None) -> None:
         count = (self.nbytes - offset_bytes) // 2 if count is None else count
-        _check(cu.cuMemsetD16Async(self.ptr + offset_bytes, bits, count, stream), "cuMemsetD16Async")
+        check(cu.cuMemsetD16Async(self.ptr + offset_bytes, bits, count, stream), "cuMemsetD16Async")
 
     def free(self) -> None:
         if self.ptr:
-            _check(cu.cuMemFree(self.ptr), "cuMemFree")
+            check(cu.cuMemFree(self.ptr), "cuMemFree")
             self.ptr = 0
 
 
@@ -96,30 +96,30 @@ class Kernel:
         if carveout is not None and not 0 <= carveout <= 100:
             raise ValueError(f"carveout: a percentage from 0 to 100, got {carveout}")
         self.name = name
-        self.module = _check(cu.cuModuleLoadData(cubin), f"cuModuleLoadData({name})")
-        self.function = _check(cu.cuModuleGetFunction(self.module, name.encode()), f"cuModuleGetFunction({name})")
+        self.module = check(cu.cuModuleLoadData(cubin), f"cuModuleLoadData({name})")
+        self.function = check(cu.cuModuleGetFunction(self.module, name.encode()), f"cuModuleGetFunction({name})")
         # Static and dynamic shared memory together over 48 KB fail to launch until the dynamic limit is raised
         # (its default is 48 KB less the static part).
-        static = _check(cu.cuFuncGetAttribute(cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
+        static = check(cu.cuFuncGetAttribute(cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
                                               self.function), f"cuFuncGetAttribute({name}, static shared)") \
             if dynamic_shared_bytes else 0
         if dynamic_shared_bytes and static + dynamic_shared_bytes > 48 * 1024:
-            _check(cu.cuFuncSetAttribute(
+            check(cu.cuFuncSetAttribute(
                 self.function, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 dynamic_shared_bytes), f"cuFuncSetAttribute({name}, max dynamic shared)")
         if carveout is not None:
-            _check(cu.cuFuncSetAttribute(
+            check(cu.cuFuncSetAttribute(
                 self.function, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
                 carveout), f"cuFuncSetAttribute({name}, shared memory carveout)")
 
     def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], shared: int,
                args: KernelArgs, stream: Any = 0) -> None:
-        _check(cu.cuLaunchKernel(self.function, *grid, *block, shared, stream, args.address, 0),
+        check(cu.cuLaunchKernel(self.function, *grid, *block, shared, stream, args.address, 0),
                f"cuLaunchKernel({self.name})")
 
     def unload(self) -> None:
         if self.module is not None:
-            _check(cu.cuModuleUnload(self.module), "cuModuleUnload")
+            check(cu.cuModuleUnload(self.module), "cuModuleUnload")
             self.module = None
 
 
@@ -131,7 +131,7 @@ def max_active_clusters(kernel: Kernel, block: tuple[int, int, int], shared: int
     config.blockDimX, config.blockDimY, config.blockDimZ = block
     config.sharedMemBytes = shared
     config.numAttrs = 0
-    return int(_check(cu.cuOccupancyMaxActiveClusters(kernel.function, config),
+    return int(check(cu.cuOccupancyMaxActiveClusters(kernel.function, config),
                       f"cuOccupancyMaxActiveClusters({kernel.name})"))
 
 
@@ -168,7 +168,7 @@ class FixedLaunch:
             self._stream = stream
         err = self._call(*self._arguments)
         if err:
-            _check(cu.CUresult(err), f"cuLaunchKernel({self.kernel.name})")
+            check(cu.CUresult(err), f"cuLaunchKernel({self.kernel.name})")
 
 
 @cache
@@ -218,7 +218,7 @@ def tensor_map(address: int, spec: Any) -> bytes:
     parameter takes. Out-of-bounds elements of a box read as zeros."""
     rank = len(spec.dims)
     data_type = getattr(cu.CUtensorMapDataType, f"CU_TENSOR_MAP_DATA_TYPE_{_TENSOR_MAP_TYPES[spec.dtype]}")
-    encoded = _check(cu.cuTensorMapEncodeTiled(
+    encoded = check(cu.cuTensorMapEncodeTiled(
         data_type, rank, address, [cu.cuuint64_t(d) for d in spec.dims], [cu.cuuint64_t(s) for s in spec.strides],
         [cu.cuuint32_t(b) for b in spec.box], [cu.cuuint32_t(1)] * rank,
         cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
@@ -230,58 +230,58 @@ def tensor_map(address: int, spec: Any) -> bytes:
 
 class Stream:
     def __init__(self) -> None:
-        self.handle = _check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        self.handle = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
 
     def synchronize(self) -> None:
-        _check(cu.cuStreamSynchronize(self.handle), "cuStreamSynchronize")
+        check(cu.cuStreamSynchronize(self.handle), "cuStreamSynchronize")
 
     def capture(self, enqueue: Any) -> Graph:
         """Record what `enqueue(stream_handle)` puts on this stream into a replayable graph."""
-        _check(cu.cuStreamBeginCapture(self.handle, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+        check(cu.cuStreamBeginCapture(self.handle, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
                "cuStreamBeginCapture")
         try:
             enqueue(self.handle)
         finally:
-            graph = _check(cu.cuStreamEndCapture(self.handle), "cuStreamEndCapture")
+            graph = check(cu.cuStreamEndCapture(self.handle), "cuStreamEndCapture")
         return Graph(graph)
 
 
 class Graph:
     def __init__(self, graph: Any):
         self.graph = graph
-        self.exec = _check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+        self.exec = check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
 
     def launch(self, stream: Stream) -> None:
-        _check(cu.cuGraphLaunch(self.exec, stream.handle), "cuGraphLaunch")
+        check(cu.cuGraphLaunch(self.exec, stream.handle), "cuGraphLaunch")
 
     def destroy(self) -> None:
-        _check(cu.cuGraphExecDestroy(self.exec), "cuGraphExecDestroy")
-        _check(cu.cuGraphDestroy(self.graph), "cuGraphDestroy")
+        check(cu.cuGraphExecDestroy(self.exec), "cuGraphExecDestroy")
+        check(cu.cuGraphDestroy(self.graph), "cuGraphDestroy")
 
 
 class EventPair:
     """Device-side timing of what is enqueued between start() and stop()."""
 
     def __init__(self) -> None:
-        self.begin = _check(cu.cuEventCreate(0), "cuEventCreate")
-        self.end = _check(cu.cuEventCreate(0), "cuEventCreate")
+        self.begin = check(cu.cuEventCreate(0), "cuEventCreate")
+        self.end = check(cu.cuEventCreate(0), "cuEventCreate")
 
     def start(self, stream: Stream) -> None:
-        _check(cu.cuEventRecord(self.begin, stream.handle), "cuEventRecord")
+        check(cu.cuEventRecord(self.begin, stream.handle), "cuEventRecord")
 
     def stop(self, stream: Stream) -> None:
-        _check(cu.cuEventRecord(self.end, stream.handle), "cuEventRecord")
+        check(cu.cuEventRecord(self.end, stream.handle), "cuEventRecord")
 
     def elapsed_us(self) -> float:
-        _check(cu.cuEventSynchronize(self.end), "cuEventSynchronize")
-        return float(_check(cu.cuEventElapsedTime(self.begin, self.end), "cuEventElapsedTime")) * 1000.0
+        check(cu.cuEventSynchronize(self.end), "cuEventSynchronize")
+        return float(check(cu.cuEventElapsedTime(self.begin, self.end), "cuEventElapsedTime")) * 1000.0
 
     def destroy(self) -> None:
         """Idempotent: a second call does nothing."""
         events, self.begin, self.end = (self.begin, self.end), None, None
         for event in events:
             if event is not None:
-                _check(cu.cuEventDestroy(event), "cuEventDestroy")
+                check(cu.cuEventDestroy(event), "cuEventDestroy")
 
 
 class EventSeries:
@@ -291,32 +291,32 @@ class EventSeries:
         self.events: list[Any] = []
         try:
             for _ in range(count):
-                self.events.append(_check(cu.cuEventCreate(0), "cuEventCreate"))
+                self.events.append(check(cu.cuEventCreate(0), "cuEventCreate"))
         except BaseException:
             self.destroy()
             raise
 
     def record(self, index: int, stream: Any) -> None:
-        _check(cu.cuEventRecord(self.events[index], stream), "cuEventRecord")
+        check(cu.cuEventRecord(self.events[index], stream), "cuEventRecord")
 
     def gaps_us(self) -> list[float]:
-        _check(cu.cuEventSynchronize(self.events[-1]), "cuEventSynchronize")
-        return [float(_check(cu.cuEventElapsedTime(a, b), "cuEventElapsedTime")) * 1000.0
+        check(cu.cuEventSynchronize(self.events[-1]), "cuEventSynchronize")
+        return [float(check(cu.cuEventElapsedTime(a, b), "cuEventElapsedTime")) * 1000.0
                 for a, b in zip(self.events, self.events[1:])]
 
     def destroy(self) -> None:
         for event in self.events:
-            _check(cu.cuEventDestroy(event), "cuEventDestroy")
+            check(cu.cuEventDestroy(event), "cuEventDestroy")
         self.events = []
 
 
 def reset_persisting_l2() -> None:
     """Every line of the L2 held at persisting (evict-last) priority back to normal; done when it returns."""
-    _check(cu.cuCtxResetPersistingL2Cache(), "cuCtxResetPersistingL2Cache")
+    check(cu.cuCtxResetPersistingL2Cache(), "cuCtxResetPersistingL2Cache")
 
 
 def synchronize() -> None:
-    _check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
+    check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
 
 
 @cache
@@ -333,25 +333,25 @@ def _init_driver() -> None:
 def device_count() -> int:
     """GPUs the driver shows (NoGpuError where there is no driver)."""
     _init_driver()
-    return int(_check(cu.cuDeviceGetCount(), "cuDeviceGetCount"))
+    return int(check(cu.cuDeviceGetCount(), "cuDeviceGetCount"))
 
 
 @cache
 def device_info(ordinal: int = 0) -> DeviceInfo:
     """What device `ordinal` is; touches no context."""
     _init_driver()
-    count = _check(cu.cuDeviceGetCount(), "cuDeviceGetCount")
+    count = check(cu.cuDeviceGetCount(), "cuDeviceGetCount")
     if count <= ordinal:
         raise NoGpuError(f"the CUDA driver sees {count} GPU(s), not device {ordinal}; running a kernel needs an "
                          "NVIDIA GPU")
-    device = _check(cu.cuDeviceGet(ordinal), "cuDeviceGet")
+    device = check(cu.cuDeviceGet(ordinal), "cuDeviceGet")
     attr = cu.CUdevice_attribute
 
     def get(a: Any) -> int:
-        return int(_check(cu.cuDeviceGetAttribute(a, device), f"cuDeviceGetAttribute({a.name})"))
+        return int(check(cu.cuDeviceGetAttribute(a, device), f"cuDeviceGetAttribute({a.name})"))
 
-    name = _check(cu.cuDeviceGetName(256, device), "cuDeviceGetName")
-    version = int(_check(cu.cuDriverGetVersion(), "cuDriverGetVersion"))
+    name = check(cu.cuDeviceGetName(256, device), "cuDeviceGetName")
+    version = int(check(cu.cuDriverGetVersion(), "cuDriverGetVersion"))
     return DeviceInfo(
         name=name.split(b"\0", 1)[0].decode(),
         cc=(get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR), get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)),
@@ -372,21 +372,21 @@ def open_device(ordinal: int = 0) -> DeviceInfo:
 
 def make_primary_current(ordinal: int) -> None:
     """Make device `ordinal`'s primary context (the one torch and the runtime API use) current in this thread."""
-    device = _check(cu.cuDeviceGet(ordinal), "cuDeviceGet")
-    context = _check(cu.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
+    device = check(cu.cuDeviceGet(ordinal), "cuDeviceGet")
+    context = check(cu.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
     # Retained and never released: the primary context then lives as long as the process, as torch's does.
-    _check(cu.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+    check(cu.cuCtxSetCurrent(context), "cuCtxSetCurrent")
 
 
 def current_context() -> int:
     """The calling thread's current context handle, 0 where it has none."""
     _init_driver()
-    return int(_check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent"))
+    return int(check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent"))
 
 
 def current_device() -> int:
     """The device ordinal of the calling thread's current context."""
-    return int(_check(cu.cuCtxGetDevice(), "cuCtxGetDevice"))
+    return int(check(cu.cuCtxGetDevice(), "cuCtxGetDevice"))
 
 
 def device_name() -> str:

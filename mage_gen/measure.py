@@ -324,7 +324,7 @@ class Subject(Protocol):
 
 
 @cache
-def _hold_kernel() -> gpu.Kernel:
+def hold_kernel() -> gpu.Kernel:
     source = render("measure/hold.cu.j2", {}, "mage_gen_hold", None)
     return gpu.Kernel(compile_source(source, gpu.open_device().arch).cubin, source.kernel_name)
 
@@ -335,7 +335,7 @@ def hold(stream: Any) -> None:
     would count the host's time to reach the launch: microseconds, tens of percent of a short kernel, and not the
     same for cuda-python, torch, Triton's launcher or Inductor's guards."""
     if HOLD_US:
-        _hold_kernel().launch((1, 1, 1), (1, 1, 1), 0, gpu.KernelArgs([("i64", HOLD_US * 1000)]), stream)
+        hold_kernel().launch((1, 1, 1), (1, 1, 1), 0, gpu.KernelArgs([("i64", HOLD_US * 1000)]), stream)
 
 
 def own_lines_only() -> None:

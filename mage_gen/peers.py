@@ -57,7 +57,7 @@ if triton is not None:
         return x.to(tl.float32), cols, mask
 
     @triton.jit
-    def _triton_layernorm(X, Y, W, B, N, eps, R, R_OUT, BLOCK: tl.constexpr, RESIDUAL: tl.constexpr):
+    def triton_layernorm(X, Y, W, B, N, eps, R, R_OUT, BLOCK: tl.constexpr, RESIDUAL: tl.constexpr):
         # One program per row, the whole row in one block: the usual Triton layer norm, fp32 statistics.
         row = tl.program_id(0)
         x, cols, mask = _triton_row(X, R, R_OUT, row, N, BLOCK, RESIDUAL)
@@ -69,7 +69,7 @@ if triton is not None:
         tl.store(Y + row * N + cols, (diff * rstd * w + b).to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _triton_rmsnorm(X, Y, W, N, eps, R, R_OUT, BLOCK: tl.constexpr, RESIDUAL: tl.constexpr):
+    def triton_rmsnorm(X, Y, W, N, eps, R, R_OUT, BLOCK: tl.constexpr, RESIDUAL: tl.constexpr):
         # One program per row, as the layer norm: the mean of squares, no mean subtracted, no bias.
         row = tl.program_id(0)
         x, cols, mask = _triton_row(X, R, R_OUT, row, N, BLOCK, RESIDUAL)
@@ -164,7 +164,7 @@ class TorchSubject:
         return [a.elapsed_time(b) * 1000.0 / HOT_LAUNCHES_PER_GRAPH for a, b in zip(events, events[1:])]
 
     def cold(self, count: int) -> list[float]:
-        flush = _torch_flush_buffer()
+        flush = torch_flush_buffer()
         samples = []
         for _ in range(count):
             own_lines_only()
@@ -184,7 +184,7 @@ class TorchSubject:
 _FLUSH: list = []
 
 
-def _torch_flush_buffer():
+def torch_flush_buffer():
     if not _FLUSH:
         _FLUSH.append(torch.empty(flush_bytes() // 4, dtype=torch.int32, device="cuda"))
     return _FLUSH[0]
@@ -291,14 +291,14 @@ def _layernorm_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float,
                           tensor_of: Callable[[str, DType], Any],
                           output_of: _Outputs) -> dict[str, list[TorchSubject]]:
     return _row_norm_candidates(shape, inputs, eps, "F.layer_norm",
-                                _triton_layernorm if triton is not None else None, inductor, tensor_of, output_of)
+                                triton_layernorm if triton is not None else None, inductor, tensor_of, output_of)
 
 
 def _rmsnorm_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float, inductor: bool,
                         tensor_of: Callable[[str, DType], Any],
                         output_of: _Outputs) -> dict[str, list[TorchSubject]]:
     return _row_norm_candidates(shape, inputs, eps, "F.rms_norm",
-                                _triton_rmsnorm if triton is not None else None, inductor, tensor_of, output_of)
+                                triton_rmsnorm if triton is not None else None, inductor, tensor_of, output_of)
 
 
 def _matmul_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float, inductor: bool,

@@ -149,7 +149,7 @@ def _prepare(op: Op, dims: dict[str, Any], run: dict[str, int], context: int, tu
     except ConfigError as exc:
         raise LaunchError(f"{op.name}: {exc}") from None
     device = gpu.device_info(gpu.current_device())
-    params = _choose(op, shape, run, device, tuned_only)
+    params = choose(op, shape, run, device, tuned_only)
     compiled = compile_source(op.source(shape, params), device.arch)
     kernel = _modules.get((context, compiled.key))
     if kernel is None:
@@ -158,7 +158,7 @@ def _prepare(op: Op, dims: dict[str, Any], run: dict[str, int], context: int, tu
     return Prepared(op, shape, params, run, kernel, take_census(compiled))
 
 
-def _choose(op: Op, shape: Any, run: dict[str, int], device: gpu.DeviceInfo, tuned_only: bool) -> Any:
+def choose(op: Op, shape: Any, run: dict[str, int], device: gpu.DeviceInfo, tuned_only: bool) -> Any:
     """The params of the tuned class dispatch.RULE picks, else of a default config (warned about once)."""
     why = ""
     for folder in tuned_dirs():

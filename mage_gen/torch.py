@@ -55,7 +55,7 @@ def _check_tensor(fn: str, name: str, t: torch.Tensor, device: torch.device | No
                           f"pass {name}.contiguous()")
 
 
-def _check_norm(fn: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def check_norm(fn: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None) -> tuple[int, int]:
     """(rows, d) of a row norm's arguments (bias None: RMSNorm), or an error naming the argument."""
     # The common case in one expression (an eager call's checks are a good part of its cost); anything else
@@ -106,7 +106,7 @@ def _layer_norm_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, ep
 
 @_layer_norm_op.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
-    _check_norm("mage_gen.torch.layer_norm", x, weight, bias)
+    check_norm("mage_gen.torch.layer_norm", x, weight, bias)
     return torch.empty_like(x)
 
 
@@ -117,7 +117,7 @@ def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 
 @_rms_norm_op.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    _check_norm("mage_gen.torch.rms_norm", x, weight)
+    check_norm("mage_gen.torch.rms_norm", x, weight)
     return torch.empty_like(x)
 
 
@@ -130,7 +130,7 @@ def _layer_norm_residual_op(x: torch.Tensor, residual: torch.Tensor, weight: tor
 @_layer_norm_residual_op.register_fake
 def _(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_norm("mage_gen.torch.layer_norm", x, weight, bias, residual)
+    check_norm("mage_gen.torch.layer_norm", x, weight, bias, residual)
     return torch.empty_like(x), torch.empty_like(x)
 
 
@@ -142,7 +142,7 @@ def _rms_norm_residual_op(x: torch.Tensor, residual: torch.Tensor, weight: torch
 
 @_rms_norm_residual_op.register_fake
 def _(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_norm("mage_gen.torch.rms_norm", x, weight, None, residual)
+    check_norm("mage_gen.torch.rms_norm", x, weight, None, residual)
     return torch.empty_like(x), torch.empty_like(x)
 
 
@@ -153,7 +153,7 @@ def _norm_impl(op_name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.
                out: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> Any:
     """y, or (y, x + residual) where residual is given."""
     fn = _PUBLIC[op_name]
-    m, d = _check_norm(fn, x, weight, bias, residual)
+    m, d = check_norm(fn, x, weight, bias, residual)
     if out is None:
         y = torch.empty_like(x)
     else:
@@ -166,11 +166,11 @@ def _norm_impl(op_name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.
     act, wd = x.dtype, weight.dtype
     key = (index, op_name, d, m) if act is _float32 is wd and residual is None else \
         (index, op_name, d, m, act, wd, residual is not None)
-    prepared = _launches.get(key)
+    prepared = launches.get(key)
     if prepared is None:
         dims = {"d": d} if len(key) == 4 else {"d": d, "dtype": _NAMES[act], "weight_dtype": _NAMES[wd],
                                                "residual": residual is not None}
-        prepared = _launches[key] = _prepare(index, op_name, dims, {"m": m})
+        prepared = launches[key] = _prepare(index, op_name, dims, {"m": m})
     weights = (weight.data_ptr(),) if bias is None else (weight.data_ptr(), bias.data_ptr())
     if residual is None:
         _launch(prepared, index, (y.data_ptr(), x.data_ptr(), *weights, m, float(eps)))
@@ -192,7 +192,7 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 # (device index, op, shape, run size) -> its launch in the device's primary context, the one torch uses
-_launches: dict[tuple, runtime.Prepared] = {}
+launches: dict[tuple, runtime.Prepared] = {}
 
 
 def _launch(prepared: runtime.Prepared, index: int, values: tuple) -> None:
@@ -210,14 +210,14 @@ def _launch(prepared: runtime.Prepared, index: int, values: tuple) -> None:
 
 def _prepare(index: int, op_name: str, dims: dict[str, Any], run: dict[str, int],
              tuned_only: bool = False) -> runtime.Prepared:
-    """The launch of this shape and run size on device `index` (the caller keeps it in _launches)."""
+    """The launch of this shape and run size on device `index` (the caller keeps it in launches)."""
     with torch.cuda.device(index):
         torch.cuda.init()
         gpu.make_primary_current(index)  # torch's context: the device's primary one
         return runtime.prepare(op_name, dims, run, device=index, tuned_only=tuned_only)
 
 
-def _eager(*tensors: torch.Tensor) -> bool:
+def is_eager(*tensors: torch.Tensor) -> bool:
     """Plain tensors, not under torch.compile, make_fx or any other dispatch mode: the op need not be traced."""
     return (not _is_compiling() and _get_current_dispatch_mode() is None
             and all(type(t) is _Tensor for t in tensors))
@@ -229,7 +229,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     for d, the dtypes and the number of rows. residual: normalize h = x + residual instead, and return
     (y, h). out: write y into this tensor (x's shape, contiguous, not overlapping an input) instead of a new
     one, as a CUDA graph replaying into fixed buffers wants."""
-    if (type(x) is _Tensor and type(weight) is _Tensor and type(bias) is _Tensor  # _eager, inline
+    if (type(x) is _Tensor and type(weight) is _Tensor and type(bias) is _Tensor  # is_eager, inline
             and (out is None or type(out) is _Tensor) and not _is_compiling() and _get_current_dispatch_mode() is None
             and (residual is None or type(residual) is _Tensor)):
         return _norm_impl("layernorm", x, weight, bias, eps, out, residual)
@@ -286,9 +286,9 @@ def _matmul_impl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     m, n, k = _check_matmul(a, b)
     c = torch.empty((m, n), dtype=a.dtype, device=a.device)
     index = a.get_device()
-    prepared = _launches.get((index, "matmul", m, n, k))
+    prepared = launches.get((index, "matmul", m, n, k))
     if prepared is None:
-        prepared = _launches[(index, "matmul", m, n, k)] = _prepare(index, "matmul", {"m": m, "n": n, "k": k}, {},
+        prepared = launches[(index, "matmul", m, n, k)] = _prepare(index, "matmul", {"m": m, "n": n, "k": k}, {},
                                                                     tuned_only=True)
     _launch(prepared, index, (c.data_ptr(), a.data_ptr(), b.data_ptr()))
     return c
@@ -296,6 +296,6 @@ def _matmul_impl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b in float32 (fused multiply-adds, never TF32) for a shape tuned on this GPU; others are refused."""
-    if _eager(a, b):
+    if is_eager(a, b):
         return _matmul_impl(a, b)
     return _matmul_op(a, b)
