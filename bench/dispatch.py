@@ -5,7 +5,7 @@ its best num_warps and torch, hot and cold, interleaved. regret = dispatched / b
 kernel are timed once, as that kernel: the same launch twice would only measure the noise between them.
 Writes bench/results/<gpu>/dispatch.json.
 
-    python bench/dispatch.py
+    python -m bench.dispatch
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from mage_gen.peers import make_peers
 from mage_gen.store import load_winner, load_winners
 from mage_gen.variants import build
 
-from _common import provenance, timing_method, write_result  # bench/_common.py, beside this script
+from bench._common import provenance, timing_method, write_result
 
 DS = (768, 1024, 4096)
 MS = (1, 37, 512, 4096, 16384, 65536, 262144)

@@ -3,7 +3,7 @@ each into a study of its own in the same server storage, the compile cache warme
 what is shared. Records each run's phases (compiling, measuring, re-timing finalists), its winner and its
 timings, and whether the two winners tie, into bench/results/<gpu>x<count>/fleet.json.
 
-    python bench/fleet.py --storage postgresql://USER:PASSWORD@HOST/DB --gpus 0,1
+    python -m bench.fleet --storage postgresql://USER:PASSWORD@HOST/DB --gpus 0,1
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from mage_gen import gpu
 from mage_gen.store import gpu_slug, write_atomic
 from mage_gen.timing import Timing
 
-from _common import provenance  # bench/_common.py, beside this script
+from bench._common import provenance
 
 TUNE = ["layernorm", "--d", "768", "--preset", "full", "--trials", "192"]
 PHASES = re.compile(r"phases: (.*)")

@@ -27,7 +27,7 @@ from mage_gen.peers import make_peers
 from mage_gen.timing import round_ratio
 from mage_gen.variants import build
 
-from _common import parse_shape, provenance, timing_method, winner_params, write_result  # bench/_common.py, beside this script
+from bench._common import parse_shape, provenance, timing_method, winner_params, write_result
 
 SHAPES = [(2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192)]
 ROUNDS, PER_ROUND = 8, 5
@@ -110,7 +110,7 @@ def tensor_pipe(shape, params: dict | None) -> dict:
               "--shape", f"{shape.m}x{shape.n}x{shape.k}"]
     kernels = "regex:gemm_sm90" if params is not None else "regex:nvjet|gemm|sm90"
     command = ["ncu", "--clock-control", "none", "--metrics", NCU_METRICS, "-k", kernels, "-s", "2", "-c", "1",
-               "--csv", "--page", "raw", sys.executable, __file__, *target]
+               "--csv", "--page", "raw", sys.executable, "-m", "bench.gemm_sm90", *target]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     rows = [line for line in done.stdout.splitlines() if line.startswith('"')]
     if done.returncode != 0 or len(rows) < 3:

@@ -8,7 +8,7 @@ Each shape uses the kernel the runtime dispatches to: this GPU's tuned entry for
 mage_gen.dispatch picks for M; with --tune-missing, a d without one is tuned first with `mage-gen tune`. Every kernel and peer is gated at the benched shape before it is timed.
 Writes bench/results/<gpu>/layernorm.json.
 
-    python bench/layernorm.py --tune-missing
+    python -m bench.layernorm --tune-missing
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from mage_gen.peers import TorchSubject, make_peers
 from mage_gen.timing import Timing
 from mage_gen.variants import build
 
-from _copy import FLOOR, copy_subjects, settle  # bench/_copy.py
-from _copy import METHOD as COPY_METHOD
-from _common import geomean, provenance, timing_method, winner_params, write_result  # bench/_common.py, beside this script
+from bench._copy import FLOOR, copy_subjects, settle
+from bench._copy import METHOD as COPY_METHOD
+from bench._common import geomean, provenance, timing_method, winner_params, write_result
 
 SHAPES = [(4096, 768), (4096, 1024), (4096, 2048), (4096, 4096), (4096, 8192), (65536, 768), (32768, 4096)]
 ROUNDS, PER_ROUND = 5, 6

@@ -5,7 +5,7 @@ Each shape uses this GPU's winner from tuned/; with --tune-missing, a shape with
 with `mage-gen tune`. Every kernel and peer is gated before it is timed, and each one's error against the
 float64 product of the timing inputs is read back after. Writes bench/results/<gpu>/matmul.json.
 
-    python bench/matmul.py --tune-missing
+    python -m bench.matmul --tune-missing
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from mage_gen.ops import get_op
 from mage_gen.peers import make_peers
 from mage_gen.variants import build
 
-from _common import geomean, provenance, timing_method, winner_params, write_result  # bench/_common.py, beside this script
+from bench._common import geomean, provenance, timing_method, winner_params, write_result
 
 SHAPES = [(1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (1000, 1000, 1000), (4096, 512, 1024)]
 ROUNDS, PER_ROUND = 5, 6

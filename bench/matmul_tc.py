@@ -9,7 +9,7 @@ is tuned first (`mage-gen tune matmul_tc`), with --untuned the op's default conf
 recorded as untuned). Every kernel and peer is gated before it is timed. Writes
 bench/results/<gpu>/matmul_tc.json.
 
-    python bench/matmul_tc.py --tune-missing
+    python -m bench.matmul_tc --tune-missing
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from mage_gen.peers import make_peers
 from mage_gen.store import gpu_slug
 from mage_gen.variants import build
 
-from _common import parse_shape, provenance, timing_method, winner_params, write_result  # bench/_common.py, beside this script
+from bench._common import parse_shape, provenance, timing_method, winner_params, write_result
 
 SHAPES = [(1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192), (4096, 512, 1024),
           (1000, 1000, 1000)]

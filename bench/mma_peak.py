@@ -9,7 +9,7 @@ cuBLAS at 4096³ (bf16; tf32; SGEMM with TF32 off) is timed in the same process,
 of cuBLAS mma.sync could reach at most, and the least time 3xTF32 (three tf32 mma per product) could take
 against SGEMM. Writes bench/results/<gpu>/mma_peak.json.
 
-    python bench/mma_peak.py
+    python -m bench.mma_peak
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from mage_gen.measure import interleave
 from mage_gen.peers import TorchSubject
 from mage_gen.render import render
 
-from _common import passing, provenance, timing_method, write_result  # bench/_common.py, beside this script
+from bench._common import passing, provenance, timing_method, write_result
 
 K_OF = {"bf16": 16, "tf32": 8}  # m16n8k16 and m16n8k8
 WARPS_PER_BLOCK = 4

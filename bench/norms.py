@@ -7,8 +7,8 @@ for its M; with --tune-missing, a shape without one is tuned first with `mage-ge
 by hot and cold at once, as the shapes are judged). Every kernel and peer is gated at the benched shape before it is
 timed, y and residual_out both. Writes bench/results/<gpu>/norms.json.
 
-    python bench/norms.py --tune-missing
-    python bench/norms.py --only rmsnorm:4096x8192 layernorm+res:65536x768   # those rows alone, to norms_only.json
+    python -m bench.norms --tune-missing
+    python -m bench.norms --only rmsnorm:4096x8192 layernorm+res:65536x768   # those rows alone, to norms_only.json
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from mage_gen.peers import make_peers, on_gpu
 from mage_gen.timing import round_ratio
 from mage_gen.variants import Variant, build
 
-from _copy import CANDIDATES as COPY_CANDIDATES
-from _copy import FLOOR, PICK, picked_copies  # bench/_copy.py
-from _common import (geomean, provenance, report_contenders, stored_case, timing_method, winner_params,
-                     write_result)  # bench/_common.py, beside this script
+from bench._copy import CANDIDATES as COPY_CANDIDATES
+from bench._copy import FLOOR, PICK, picked_copies
+from bench._common import (geomean, provenance, report_contenders, stored_case, timing_method,
+                           winner_params, write_result)
 
 SHAPES = [(4096, 768), (4096, 4096), (4096, 8192), (65536, 768), (32768, 4096), (16384, 8192)]
 OPS = ("layernorm", "rmsnorm")

@@ -8,7 +8,7 @@
 - The command line's start-up: wall time of `mage-gen --help`, `inspect` and `emit --config`.
 Writes bench/results/<gpu>/runtime.json.
 
-    python bench/runtime.py
+    python -m bench.runtime
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from mage_gen.store import load_winner
 from mage_gen.timing import Timing
 from mage_gen.variants import build
 
-from _common import provenance, timing_method, write_result  # bench/_common.py, beside this script
+from bench._common import provenance, timing_method, write_result
 
 M, D = 4096, 768
 CALLS, ROUNDS = 1000, 7

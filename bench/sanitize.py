@@ -1,7 +1,7 @@
 """Every committed winner in tuned/<gpu>/ through the gate once, for compute-sanitizer to watch:
 
-    compute-sanitizer --tool memcheck python bench/sanitize.py
-    compute-sanitizer --tool racecheck python bench/sanitize.py      (bench/sanitize.sh runs each tool)
+    compute-sanitizer --tool memcheck python -m bench.sanitize
+    compute-sanitizer --tool racecheck python -m bench.sanitize      (bench/sanitize.sh runs each tool)
 
 The gate launches each kernel at every run size op.gate_runs gives (layer norm: m = 1, 37 and 4096;
 matmul: its one fixed shape) on fresh inputs, outputs fenced, and checks it against the float64
@@ -9,9 +9,9 @@ reference. Nothing is timed and torch and Triton are never imported: the sanitiz
 launches and little else. One line per kernel; exits 1 if any gate fails or any winner cannot be
 built, 2 where nothing could be run (no GPU, no tuned/ folder for it, bad arguments).
 
-    python bench/sanitize.py --op layernorm --limit 2
-    python bench/sanitize.py --op matmul_tc --grid 512,512     (racecheck at a 4096³ winner's full grid takes minutes)
-    python bench/sanitize.py --gpu 'NVIDIA H200' --list      (compiles, launches nothing: no GPU needed)
+    python -m bench.sanitize --op layernorm --limit 2
+    python -m bench.sanitize --op matmul_tc --grid 512,512     (racecheck at a 4096³ winner's full grid takes minutes)
+    python -m bench.sanitize --gpu 'NVIDIA H200' --list      (compiles, launches nothing: no GPU needed)
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 # Every committed winner in tuned/<gpu>/ gated once under each of compute-sanitizer's checkers:
 # memcheck (out-of-bounds and misaligned accesses), racecheck (shared-memory races), synccheck (barriers
 # misused) and initcheck (reads of device memory never written). Each tool's output goes to
-# $RESULTS/sanitizer_<tool>.txt; one summary line per tool follows. Arguments go to bench/sanitize.py:
+# $RESULTS/sanitizer_<tool>.txt; one summary line per tool follows. Arguments go to bench/sanitize.py
+# (run as `python -m bench.sanitize` from the repository root):
 #
 #     bench/sanitize.sh                      # every winner, every tool
 #     bench/sanitize.sh --op layernorm --limit 2
@@ -12,11 +13,10 @@
 set -u -o pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$ROOT"
+cd "$ROOT"  # `python -m` puts the root first on the path: bench and mage_gen from this checkout
 PYTHON="${PYTHON:-python3}"
 RESULTS="${RESULTS:-bench/results/h200}"
 read -r -a TOOL_LIST <<< "${TOOLS:-memcheck racecheck synccheck initcheck}"
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # mage_gen from this checkout, installed or not
 
 SANITIZER="$(command -v compute-sanitizer || true)"
 if [[ -z "$SANITIZER" && -x /usr/local/cuda/bin/compute-sanitizer ]]; then
@@ -32,8 +32,8 @@ summaries=()
 worst=0
 for tool in "${TOOL_LIST[@]}"; do
     log="$RESULTS/sanitizer_$tool.txt"
-    echo "== $tool: $SANITIZER --tool $tool --error-exitcode 1 $PYTHON bench/sanitize.py ${*@Q}"
-    "$SANITIZER" --tool "$tool" --error-exitcode 1 "$PYTHON" bench/sanitize.py "$@" 2>&1 | tee "$log"
+    echo "== $tool: $SANITIZER --tool $tool --error-exitcode 1 $PYTHON -m bench.sanitize ${*@Q}"
+    "$SANITIZER" --tool "$tool" --error-exitcode 1 "$PYTHON" -m bench.sanitize "$@" 2>&1 | tee "$log"
     code=${PIPESTATUS[0]}
     # The tool's own verdict and the gate's, so that exit code 1 (tool error or failed gate) can be told apart.
     errors="$(grep -oE '(ERROR|RACECHECK) SUMMARY: .*' "$log" | tail -n 1)"

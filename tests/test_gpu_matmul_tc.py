@@ -46,7 +46,7 @@ def test_the_gate_rejects_each_planted_pipeline_bug(device, stream, plant, preci
     # least slack, and inputs that C's poisoning (64 MB) pushes out of L2 make the first tiles come from DRAM.
     # With three stages at 256² (inputs in L2) the copies landed in time and the planted kernel passed on an
     # H200; at this size it failed 5 of 5 fresh inputs at every precision and sync (bench/
-    # tc_loose_wait_probe.py, results/h200/tc_loose_wait_probe_*.json).
+    # tc_loose_wait_probe.py, in git at 59ba810; results/h200/tc_loose_wait_probe_*.json).
     shape = OP.shape(m=4096, n=4096, k=1024, precision=precision)
     # fragments loaded ahead take an even number of K steps a tile: bf16 bk 32
     bk = 32 if prefetch == "next" and precision == "bf16" else 16

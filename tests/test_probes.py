@@ -1,4 +1,4 @@
-"""The ceiling probes of bench/mma_peak.py and bench/l2_read_peak.py (templates/probe/): each ends, on the
+"""The ceiling probes of bench/mma_peak.py and bench/probes/l2_read_peak.py (templates/probe/): each ends, on the
 CPU interpreter, exactly where its bench's gate expects, so a probe that does less work than it is timed for
 fails here before it fails on a GPU."""
 
@@ -28,7 +28,7 @@ def test_the_mma_probe_sums_iters_times_k_products(dtype, k):
 
 @pytest.mark.parametrize("stages, rounds", [(2, 7), (3, 7), (4, 2)])
 def test_the_l2_read_probe_xors_every_word_of_the_chunks_it_copies(stages, rounds):
-    """bench/l2_read_peak.py: block b copies chunks (b·rounds + r) mod chunks, r < rounds, and each thread's
+    """bench/probes/l2_read_peak.py: block b copies chunks (b·rounds + r) mod chunks, r < rounds, and each thread's
     four words are the xor of what it copied: a chunk copied twice cancels, one skipped shows."""
     threads, pieces, chunks, blocks = 32, 2, 5, 3
     kernel = compile_source(render("probe/l2_read.cu.j2", {"THREADS": threads, "PIECES": pieces, "STAGES": stages},

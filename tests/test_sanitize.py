@@ -5,7 +5,7 @@ import re
 import subprocess
 import sys
 
-SCRIPT = ["bench/sanitize.py", "--gpu", "NVIDIA H200", "--op", "matmul_tc", "--list"]
+SCRIPT = ["-m", "bench.sanitize", "--gpu", "NVIDIA H200", "--op", "matmul_tc", "--list"]
 
 
 def run(*args: str) -> subprocess.CompletedProcess:

@@ -1,5 +1,5 @@
 """The tuner's logic on the CPU: ReplayBackend answers every measurement from timings recorded on an H200
-by bench/layernorm_trials.py, so the sampler, dedupe, resume, failures and the tie rule run as they
+by bench/probes/layernorm_trials.py, so the sampler, dedupe, resume, failures and the tie rule run as they
 would on the GPU. Variants are still really compiled (into the session's private cache): registers
 and template hashes are real.
 
@@ -34,7 +34,7 @@ from mage_gen.tune import EXHAUSTIVE_LIMIT, FINALISTS, params_key, tune
 from mage_gen.variants import build_all
 
 RECORDING = Path(__file__).parent / "fixtures" / "layernorm_trials_h200_d768_m4096.json"
-RECORD_COMMAND = ("python bench/layernorm_trials.py --d 768 --m 4096 --preset quick "
+RECORD_COMMAND = ("python -m bench.probes.layernorm_trials --d 768 --m 4096 --preset quick "
                   "--out tests/fixtures/layernorm_trials_h200_d768_m4096.json")
 H200 = "NVIDIA H200"
 OP = get_op("layernorm")

@@ -4,7 +4,7 @@ Every config is gated (fresh inputs, poisoned output, float64 reference) before 
 timed hot and cold in interleaved rounds with the peers, and each one's round-by-round ratio to cuBLAS is
 reported. --gate-only checks configs at a shape without timing (tails).
 
-    python bench/probes/gemm_sm90_configs.py --shape 4096x4096x4096 --config bm=128,bn=256 --config bm=128,bn=128
+    python -m bench.probes.gemm_sm90_configs --shape 4096x4096x4096 --config bm=128,bn=256 --config bm=128,bn=128
 """
 
 from __future__ import annotations

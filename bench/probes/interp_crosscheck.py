@@ -7,9 +7,9 @@ such a variant is checked twice: as built, within tolerance, and compiled with -
 rounding is in the PTX, bit for bit.
 Writes bench/results/<gpu>/interp_crosscheck.json; exits 1 if any pair fails.
 
-    python bench/interp_crosscheck.py [--seed 0] [--pairs 64]
-    python bench/interp_crosscheck.py --cpu-only --pairs 8    # interpreter half only, against float64
-    python bench/interp_crosscheck.py --self-test             # the comparison, on made-up outputs
+    python -m bench.probes.interp_crosscheck [--seed 0] [--pairs 64]
+    python -m bench.probes.interp_crosscheck --cpu-only --pairs 8    # interpreter half only, against float64
+    python -m bench.probes.interp_crosscheck --self-test             # the comparison, on made-up outputs
 """
 
 from __future__ import annotations
@@ -258,7 +258,7 @@ def main() -> int:
         return 0
     device = stream = None
     if not args.cpu_only:
-        from _common import provenance, write_result  # bench/_common.py; imports torch, so not in --cpu-only
+        from bench._common import provenance, write_result  # bench/_common.py; imports torch, so not in --cpu-only
         device, stream = gpu.open_device(), gpu.Stream()
         prov = provenance(device)  # before the long part: a missing package fails at once
     start = time.perf_counter()
@@ -267,7 +267,8 @@ def main() -> int:
     summary = summarize(records, time.perf_counter() - start)
     print(json.dumps({k: v for k, v in summary.items() if k != "failures"}), f"{len(summary['failures'])} failed")
     if device is not None:
-        doc = {"what": "CPU PTX interpreter vs this GPU on the same inputs, recorded by bench/interp_crosscheck.py",
+        doc = {"what": "CPU PTX interpreter vs this GPU on the same inputs, recorded by "
+                       "bench/probes/interp_crosscheck.py",
                "method": {"exact": "no approximate instruction and no rounding left to ptxas: GPU and interpreter "
                                    "outputs equal bit for bit",
                           "approx": "rsqrt.approx / div.full / .approx, or add/sub/mul.f32 without a rounding mode "

@@ -1,11 +1,11 @@
-"""The program bench/ncu_matmul.sh profiles: one matmul config (params as JSON) built at M,N,K, gated and
+"""The program bench/ncu/matmul.sh profiles: one matmul config (params as JSON) built at M,N,K, gated and
 timed once (so launched a few times); or, with `cublas` in place of the JSON, torch.matmul. A third argument,
 a precision (bf16, tf32, fp32x3), makes it the tensor-core op matmul_tc, and `winner` in place of the JSON
 takes this GPU's tuned winner for that shape; cuBLAS then runs at that precision (fp32x3: SGEMM, TF32 off).
 
-    python bench/ncu_matmul_target.py 2048,2048,2048 '{"bm": 128, "bn": 128, ...}'
-    python bench/ncu_matmul_target.py 4096,4096,4096 winner bf16
-    python bench/ncu_matmul_target.py 4096,4096,4096 cublas bf16
+    python -m bench.ncu.matmul_target 2048,2048,2048 '{"bm": 128, "bn": 128, ...}'
+    python -m bench.ncu.matmul_target 4096,4096,4096 winner bf16
+    python -m bench.ncu.matmul_target 4096,4096,4096 cublas bf16
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ per thread, blocks per SM and two buffer sizes. Beside it, each matmul_tc winner
 bench/results/<gpu>/matmul_tc.json read M·N·K·(1/bm + 1/bn) elements of A and B from L2 in its hot time; the
 file gives that rate and its share of the probe's. Writes bench/results/<gpu>/l2_read_peak.json.
 
-    python bench/l2_read_peak.py
+    python -m bench.probes.l2_read_peak
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from mage_gen.peers import TorchSubject
 from mage_gen.render import render
 from mage_gen.store import gpu_slug
 
-from _common import passing, provenance, timing_method, write_result  # bench/_common.py, beside this script
+from bench._common import passing, provenance, timing_method, write_result
 
 THREADS = (128, 256)
 PIECES = (2, 4)  # 16-byte copies per thread per round
@@ -133,7 +133,7 @@ def main() -> None:
               + (f": {r['share_of_probe']:.2f} of the probe's best" if best else ""))
     doc = {
         "what": "L2 -> shared memory read rate by cp.async.cg (a probe) and the tensor-core matmul winners' L2 reads "
-                "at 4096^3, recorded by bench/l2_read_peak.py",
+                "at 4096^3, recorded by bench/probes/l2_read_peak.py",
         "method": {"probe": f"{STAGES - 1} rounds in flight per block, {ROUNDS} rounds of threads x pieces x 16 bytes "
                             "per block, chunks of an L2-resident buffer, every word xor-checked",
                    "gate": "fresh random buffer, output poisoned, every thread's xor against numpy",

@@ -3,7 +3,7 @@
 Writes bench/results/<gpu>/layernorm_trials_d<d>_m<m>.json: per variant its params, census, gate and
 hot/cold timings; the peers' timings from the same process. The tuner's CPU tests replay this file.
 
-    python bench/layernorm_trials.py --d 768 --m 4096 --preset quick
+    python -m bench.probes.layernorm_trials --d 768 --m 4096 --preset quick
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def main() -> None:
     peer_hot = interleave(peers, "hot", rounds=5, per_round=6)
     peer_cold = interleave(peers, "cold", rounds=5, per_round=6)
     doc = {
-        "what": "every variant of a preset gated and timed on one GPU; recorded by bench/layernorm_trials.py",
+        "what": "every variant of a preset gated and timed on one GPU; recorded by bench/probes/layernorm_trials.py",
         "method": {"hot": "20 launches per CUDA graph, 20 replays, median per launch, inputs L2-warm",
                    "cold": "256 MB written before each of 20 timed launches", "gate": "fresh inputs, NaN-poisoned fenced output, rows 1, 37 and m"},
         "op": op.name, "shape": {"d": args.d}, "run": run, "preset": args.preset,

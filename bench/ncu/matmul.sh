@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Nsight Compute's full set for one matmul kernel at 2048³ and for cuBLAS's, raw metrics as CSV under
-# $RESULTS (default bench/results/h200/ncu); bench/ncu_summary.py reads them. Clocks are left alone
+# $RESULTS (default bench/results/h200/ncu); `python -m bench.ncu.summary` reads them. Clocks are left alone
 # (--clock-control none). Run from the repository root on the GPU machine:
 #
-#     bench/ncu_matmul.sh NAME '{"bm": 128, "bn": 128, "bk": 16, "tm": 16, "tn": 8, ...}'
-#     bench/ncu_matmul.sh cublas_2048 cublas
-#     SHAPE=4096,4096,4096 bench/ncu_matmul.sh tc_bf16_4096 winner bf16     (the tensor-core op's tuned winner)
-#     SHAPE=4096,4096,4096 bench/ncu_matmul.sh cublas_bf16_4096 cublas bf16
+#     bench/ncu/matmul.sh NAME '{"bm": 128, "bn": 128, "bk": 16, "tm": 16, "tn": 8, ...}'
+#     bench/ncu/matmul.sh cublas_2048 cublas
+#     SHAPE=4096,4096,4096 bench/ncu/matmul.sh tc_bf16_4096 winner bf16     (the tensor-core op's tuned winner)
+#     SHAPE=4096,4096,4096 bench/ncu/matmul.sh cublas_bf16_4096 cublas bf16
 set -euo pipefail
 NAME="$1"; PARAMS="$2"; PRECISION="${3:-}"; SHAPE="${SHAPE:-2048,2048,2048}"
 RESULTS="${RESULTS:-bench/results/h200/ncu}"
@@ -21,6 +21,6 @@ else
     FILTER=(-k regex:matmul_m -s 1)
 fi
 ncu --clock-control none --set full -c 1 "${FILTER[@]}" --export "$RESULTS/$NAME" \
-    python3 bench/ncu_matmul_target.py "$SHAPE" "$PARAMS" $PRECISION
+    python3 -m bench.ncu.matmul_target "$SHAPE" "$PARAMS" $PRECISION
 ncu -i "$RESULTS/$NAME.ncu-rep" --page raw --csv > "$RESULTS/$NAME.csv"
 rm -f "$RESULTS/$NAME.ncu-rep"

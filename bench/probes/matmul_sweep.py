@@ -4,7 +4,7 @@ timed hot and cold at each shape, then the five fastest re-timed interleaved wit
 For choosing presets and template parameters, not for the targets (bench/matmul.py holds those).
 Writes bench/results/<gpu>/matmul_sweep.json.
 
-    python bench/matmul_sweep.py --preset explore --shapes 1024,1024,1024 2048,2048,2048
+    python -m bench.probes.matmul_sweep --preset explore --shapes 1024,1024,1024 2048,2048,2048
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from mage_gen.peers import make_peers
 from mage_gen.space import expand, load_space
 from mage_gen.variants import build_all
 
-from _common import provenance, write_result  # bench/_common.py, beside this script
+from bench._common import provenance, write_result
 
 FINALISTS = 5
 
@@ -81,7 +81,7 @@ def main() -> None:
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes]
     results = [sweep_shape(op, dims, args.preset, args.limit, device) for dims in shapes]
     doc = {"what": "matmul configs of one preset, each gated then timed alone; the fastest five re-timed "
-                   "interleaved with the peers (recorded by bench/matmul_sweep.py)",
+                   "interleaved with the peers (recorded by bench/probes/matmul_sweep.py)",
            "method": {"trial": "measure.Bench.evaluate: gate, then hot (20-launch graph × 10 replays, median) "
                                "and cold (256 MB flush before each of 10 launches)",
                       "final": "5 rounds × 6, interleaved with cuBLAS (TF32 off) and Triton ieee at its best config"},

@@ -1,7 +1,7 @@
-"""What limits a matmul kernel, from the raw CSVs bench/ncu_matmul.sh wrote: launch shape, occupancy, issue
+"""What limits a matmul kernel, from the raw CSVs bench/ncu/matmul.sh wrote: launch shape, occupancy, issue
 FMA- and tensor-pipe utilisation, shared-memory bank conflicts and the leading stall reasons per issued instruction.
 
-    python bench/ncu_summary.py bench/results/h200/ncu/*.csv > bench/results/h200/ncu/summary.txt
+    python -m bench.ncu.summary bench/results/h200/ncu/*.csv > bench/results/h200/ncu/summary.txt
 """
 
 from __future__ import annotations
