@@ -114,10 +114,10 @@ class GpuBackend:
 
 
 class ReplayBackend:
-    """Answers from a bench/layernorm_trials.py recording: the tuner's logic tested without a GPU."""
+    """Answers from a bench/probes/layernorm_trials.py recording: the tuner's logic tested without a GPU."""
 
     def __init__(self, path: Path):
-        remedy = "give a recording written by bench/layernorm_trials.py"
+        remedy = "give a recording written by bench/probes/layernorm_trials.py"
         try:
             self.path = Path(path)
             self.recording = json.loads(self.path.read_text())

@@ -59,17 +59,24 @@ def _options(version: bool = typer.Option(False, "--version", callback=_print_ve
     """Generate, check and tune GPU kernels written with inline PTX."""
 
 
+def _field_help(field: str) -> str:
+    """The help of a shape field's option: what each op that has the field says of it, ops that say the same
+    together ('layernorm, rmsnorm: row length')."""
+    said: dict[str, list[str]] = {}
+    for op in OPS.values():
+        if field in op.field_help:
+            said.setdefault(op.field_help[field], []).append(op.name)
+    return "; ".join(f"{', '.join(names)}: {text}" for text, names in said.items())
+
+
 OpArg = typer.Argument(..., help=f"op family: {', '.join(sorted(OPS))}")
-DOpt = typer.Option(None, "--d", help="row length (layernorm, rmsnorm)")
-MOpt = typer.Option(None, "--m", help="rows of the output: matmul's M; layernorm's rows at launch (default 4096)")
-NOpt = typer.Option(None, "--n", help="matmul: columns of B and C")
-KOpt = typer.Option(None, "--k", help="matmul: columns of A, rows of B")
-DTypeOpt = typer.Option(None, "--dtype", help="layernorm, rmsnorm: element type of x, y and the residual: fp32 "
-                                              "(default), bf16 or fp16; statistics are always fp32")
-WeightDTypeOpt = typer.Option(None, "--weight-dtype", help="layernorm, rmsnorm: element type of w and b: the "
-                                                           "activations' (default) or fp32")
-PrecisionOpt = typer.Option(None, "--precision", help="matmul_tc: bf16, tf32 or fp32x3; gemm_sm90: bf16 (what A and B "
-                                                        "are and how the tensor cores take them)")
+DOpt = typer.Option(None, "--d", help=_field_help("d"))
+MOpt = typer.Option(None, "--m", help=_field_help("m"))
+NOpt = typer.Option(None, "--n", help=_field_help("n"))
+KOpt = typer.Option(None, "--k", help=_field_help("k"))
+DTypeOpt = typer.Option(None, "--dtype", help=_field_help("dtype"))
+WeightDTypeOpt = typer.Option(None, "--weight-dtype", help=_field_help("weight_dtype"))
+PrecisionOpt = typer.Option(None, "--precision", help=_field_help("precision"))
 ArchOpt = typer.Option(DEFAULT_ARCH, "--arch", help="GPU architecture to compile for, e.g. sm_90, sm_80")
 JsonOpt = typer.Option(False, "--json", help="print machine-readable JSON instead of a table")
 
@@ -567,7 +574,7 @@ def tune_command(
     arch: Optional[str] = typer.Option(None, "--arch", help="default: the GPU's own"),
     out_dir: Path = typer.Option(Path("kernels"), "-o", "--out", help="folder for the emitted winners"),
     seed: int = typer.Option(0, help="seed of the sampler and the random inputs"),
-    replay: Optional[Path] = typer.Option(None, help="answer from a recording of bench/layernorm_trials.py "
+    replay: Optional[Path] = typer.Option(None, help="answer from a recording of bench/probes/layernorm_trials.py "
                                                       "instead of the GPU (for testing): the study is kept in "
                                                       "memory unless --storage is given, and the winner is "
                                                       "stored and emitted only with --tuned"),
@@ -658,7 +665,7 @@ def worker_command(
     study: str = typer.Option(..., help="the study to join (mage-gen tune prints its name)"),
     gpus: Optional[str] = typer.Option(None, "--gpus", help="one worker per GPU: 0,1 or all (default: GPU 0)"),
     seed: int = typer.Option(0, help="seed of the sampler and the random inputs"),
-    replay: Optional[Path] = typer.Option(None, help="answer from a recording of bench/layernorm_trials.py "
+    replay: Optional[Path] = typer.Option(None, help="answer from a recording of bench/probes/layernorm_trials.py "
                                                       "instead of the GPU (for testing)"),
 ) -> None:
     """Join a running tune from this host: measure the study's configs until its budget is spent. The tune

@@ -1,6 +1,7 @@
 """What a generated kernel must beat, measured the way the kernel is: torch (cuBLAS for matmul) and a
-Triton kernel written here (the `peers` extra). Each peer is gated against the same float64 reference
-before it is timed. Without torch there are simply no peers."""
+Triton kernel written here (the `peers` extra). Each op names the builder here that makes its peers
+(Op.peer_builder); make_peers gates each peer against the same float64 reference before it is timed. Without
+torch there are simply no peers."""
 
 from __future__ import annotations
 
@@ -238,13 +239,13 @@ def eager_norm_into(eager: Callable[..., Any]) -> Callable[..., Any]:
     return eager_into
 
 
-def _row_norm_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float, torch_fn: str,
-                         triton_kernel: Any, inductor: bool, tensor_of: Callable[[str, DType], Any],
-                         output_of: _Outputs) -> dict[str, list[TorchSubject] | str]:
-    """torch's norm as a model calls it (`x + residual` first, in the residual form), the same code compiled
-    by Inductor, and the Triton kernel (one program per row) at each num_warps, writing where output_of says.
-    Each returns y, or (y, residual_out). A family that cannot run this shape is the reason why, in place of
-    its subjects."""
+def row_norm_peers(shape: Any, inputs: dict[str, np.ndarray], eps: float, inductor: bool,
+                   tensor_of: Callable[[str, DType], Any], output_of: _Outputs, *, torch_fn: str,
+                   triton_kernel: str) -> dict[str, list[TorchSubject] | str]:
+    """torch's norm `torch_fn` as a model calls it (`x + residual` first, in the residual form), the same code
+    compiled by Inductor, and the Triton kernel of this module named `triton_kernel` (one program per row) at each
+    num_warps, writing where output_of says. Each returns y, or (y, residual_out). A family that cannot run this
+    shape is the reason why, in place of its subjects."""
     tensors = {name: tensor_of(name, element_type(shape.weight_dtype if name in ("w", "b") else shape.dtype))
                for name in inputs}
     x, residual = tensors["x"], tensors.get("residual")
@@ -269,15 +270,15 @@ def _row_norm_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float, 
                                 "program holds")
     elif triton is not None:
         block = triton.next_power_of_2(d)
+        kernel = globals()[triton_kernel]
 
         def triton_run(warps: int) -> Callable[[], Any]:
             y = output_of("y", x.shape, x.dtype)
             out = output_of("residual_out", x.shape, x.dtype) if residual is not None else None
 
             def go():
-                triton_kernel[(m,)](x, y, *weights, d, eps, residual if out is not None else x,
-                                    out if out is not None else y, BLOCK=block, RESIDUAL=out is not None,
-                                    num_warps=warps)
+                kernel[(m,)](x, y, *weights, d, eps, residual if out is not None else x,
+                             out if out is not None else y, BLOCK=block, RESIDUAL=out is not None, num_warps=warps)
                 return y if out is None else (y, out)
             return go
 
@@ -287,22 +288,8 @@ def _row_norm_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float, 
     return candidates
 
 
-def _layernorm_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float, inductor: bool,
-                          tensor_of: Callable[[str, DType], Any],
-                          output_of: _Outputs) -> dict[str, list[TorchSubject]]:
-    return _row_norm_candidates(shape, inputs, eps, "F.layer_norm",
-                                triton_layernorm if triton is not None else None, inductor, tensor_of, output_of)
-
-
-def _rmsnorm_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float, inductor: bool,
-                        tensor_of: Callable[[str, DType], Any],
-                        output_of: _Outputs) -> dict[str, list[TorchSubject]]:
-    return _row_norm_candidates(shape, inputs, eps, "F.rms_norm",
-                                triton_rmsnorm if triton is not None else None, inductor, tensor_of, output_of)
-
-
-def _matmul_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float, inductor: bool,
-                       tensor_of: Callable[[str, DType], Any], output_of: _Outputs) -> dict[str, list[TorchSubject]]:
+def fp32_matmul_peers(shape: Any, inputs: dict[str, np.ndarray], eps: float, inductor: bool,
+                      tensor_of: Callable[[str, DType], Any], output_of: _Outputs) -> dict[str, list[TorchSubject]]:
     # mage-gen's matmul kernels do exact fp32 FMAs, so cuBLAS must too: TF32 (about 3e-4 relative error,
     # which the op's 1e-4 tolerance refuses) is off for every call made from here on.
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -343,13 +330,14 @@ def _matmul_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float, in
 # Triton tile configs for the tensor-core peers: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
 TRITON_TC_CONFIGS = ((128, 128, 32, 4, 4), (128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (64, 128, 32, 4, 4),
                      (128, 64, 32, 4, 4), (64, 64, 32, 4, 4))
-# What cuBLAS and Triton are asked for at each precision of matmul_tc: (allow TF32 in cuBLAS, tl.dot's
+# What cuBLAS and Triton are asked for at each precision of a tensor-core matmul: (allow TF32 in cuBLAS, tl.dot's
 # input_precision)
 _TC_PEER_MODES = {"bf16": (False, None), "tf32": (True, "tf32"), "fp32x3": (False, "tf32x3")}
 
 
-def _matmul_tc_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float, inductor: bool,
-                          tensor_of: Callable[[str, DType], Any], output_of: _Outputs) -> dict[str, list[TorchSubject]]:
+def tensor_core_matmul_peers(shape: Any, inputs: dict[str, np.ndarray], eps: float, inductor: bool,
+                             tensor_of: Callable[[str, DType], Any],
+                             output_of: _Outputs) -> dict[str, list[TorchSubject]]:
     """cuBLAS through torch at the same precision (bf16 inputs with an fp32 C, and as torch.matmul gives it, a
     bf16 C; tf32 with allow_tf32; for fp32x3, SGEMM with TF32 off: the FP32 result it must match) and Triton's
     tl.dot at the same precision (fp32 accumulation and C)."""
@@ -408,8 +396,9 @@ TRITON_SM90_CONFIGS = ((128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 64
                        (128, 256, 64, 8, 4), (64, 256, 64, 4, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4))
 
 
-def _gemm_sm90_candidates(shape: Any, inputs: dict[str, np.ndarray], eps: float, inductor: bool,
-                          tensor_of: Callable[[str, DType], Any], output_of: _Outputs) -> dict[str, list[TorchSubject]]:
+def strided_bf16_gemm_peers(shape: Any, inputs: dict[str, np.ndarray], eps: float, inductor: bool,
+                            tensor_of: Callable[[str, DType], Any],
+                            output_of: _Outputs) -> dict[str, list[TorchSubject]]:
     """cuBLAS through torch (C = A·Bᵀ as F.linear computes it, or A·B for a K×N B: bf16 A and B, fp32 sums, C in C's
     type) and Triton's tl.dot over its Hopper tiles, each reading the same A and B (their padded rows) and writing
     C's type."""
@@ -478,10 +467,6 @@ class _Outputs:
             held.fill_(float("nan"))
 
 
-_CANDIDATES = {"layernorm": _layernorm_candidates, "rmsnorm": _rmsnorm_candidates, "matmul": _matmul_candidates,
-               "matmul_tc": _matmul_tc_candidates, "gemm_sm90": _gemm_sm90_candidates}
-
-
 def make_peers(op: Op, shape: Any, run: dict[str, int], inputs: dict[str, np.ndarray],
                reference: dict[str, np.ndarray] | None, pick_replays: int = 10,
                check: Callable[[str, Any], tuple[float, str]] | None = None,
@@ -500,7 +485,7 @@ def make_peers(op: Op, shape: Any, run: dict[str, int], inputs: dict[str, np.nda
     Returns (peers, {name: why it is missing})."""
     if torch is None or not torch.cuda.is_available():
         return [], {"torch": "torch with CUDA is not installed here (pip install 'mage-gen[peers]')"}
-    if op.name not in _CANDIDATES:
+    if op.peer_builder is None:
         return [], {"peers": f"no peers are written for {op.name}"}
     missing: dict[str, str] = {} if triton is not None else {"triton": "triton is not installed"}
     scalars = op.scalars(shape, run)
@@ -515,7 +500,7 @@ def make_peers(op: Op, shape: Any, run: dict[str, int], inputs: dict[str, np.nda
     output_types = op.output_dtypes(shape)
     outputs = _Outputs({name: on_gpu(pointer, op.output_shapes(shape, run)[name], output_types[name])
                         for name, pointer in (device_outputs or {}).items()})
-    candidates = _CANDIDATES[op.name](shape, inputs, float(scalars.get("eps", 0.0)), inductor, tensor_of, outputs)
+    candidates = op.peers(shape, inputs, float(scalars.get("eps", 0.0)), inductor, tensor_of, outputs)
     for family, subjects in candidates.items():
         if isinstance(subjects, str):
             missing[family] = subjects

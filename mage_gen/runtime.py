@@ -16,20 +16,19 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Sequence
+from types import MappingProxyType
 from typing import Any
 
 from mage_gen import gpu
 from mage_gen.census import Census, aligned_contract, take_census
 from mage_gen.compile import compile_source
 from mage_gen.errors import ConfigError, LaunchError, StoreError
-from mage_gen.ops import Op, get_op
+from mage_gen.ops import OPS, Op, get_op
 from mage_gen.ops.base import shape_dict
 from mage_gen.store import load_winners, pick_winner, store_file, tuned_dirs
 
-# Where a shape has no tuned entry: the first of these the op accepts (validate), in this order.
-_ROW_NORM_DEFAULTS = ([{"template": "row", "threads": t, "vector": v} for v in (16, 8, 4) for t in (128, 256, 512, 1024, 64, 32)]
-                      + [{"template": "wide", "threads": t, "vector": v} for v in (16, 4) for t in (1024, 256, 32)])
-DEFAULT_CANDIDATES = {"layernorm": _ROW_NORM_DEFAULTS, "rmsnorm": _ROW_NORM_DEFAULTS}
+# Each op's default_candidates, by name, read-only: the ops declare them
+DEFAULT_CANDIDATES = MappingProxyType({name: op.default_candidates for name, op in OPS.items()})
 
 
 class UntunedKernelWarning(UserWarning):
@@ -183,7 +182,7 @@ def choose(op: Op, shape: Any, run: dict[str, int], device: gpu.DeviceInfo, tune
 
 
 def _default_params(op: Op, shape: Any) -> Any:
-    for values in DEFAULT_CANDIDATES.get(op.name, [{}]):  # matmul: its default config, fitted to the shape
+    for values in op.default_candidates:
         params = op.params_from_dict({**op.defaults(shape), **values})
         try:
             op.validate(shape, params)

@@ -28,13 +28,12 @@ from typing import Any
 
 from mage_gen import dispatch
 from mage_gen.errors import ConfigError, MageError, StoreError
-from mage_gen.ops import Op
+from mage_gen.ops import OPS, Op
 from mage_gen.render import Source
 from mage_gen.resources import data_dir
 from mage_gen.timing import Timing
 
 FORMAT = 3
-_VECTOR_IN_ELEMENTS = ("layernorm", "rmsnorm")  # up to format 2: these ops' `vector` counted elements
 # What every entry must carry: what was built and from which template version, how it was judged and
 # timed, against whom, on which GPU, and with which tools.
 REQUIRED_KEYS = ("shape", "params", "kernel", "template", "template_hash", "objective", "timings", "peers",
@@ -345,23 +344,20 @@ def _read(path: Path, op_name: str) -> dict[str, Any]:
     if doc["format"] == 1:
         doc = {**doc, "format": 2, "entries": {_class_key(k, e): e for k, e in doc["entries"].items()}}
     if doc["format"] == 2:
-        entries = doc["entries"]
-        if op_name in _VECTOR_IN_ELEMENTS:
-            entries = {key: _vector_in_bytes(entry) for key, entry in entries.items()}
+        op = OPS.get(op_name)
+        entries = {key: _from_format_2(op, entry) for key, entry in doc["entries"].items()} if op else doc["entries"]
         doc = {**doc, "format": FORMAT, "entries": entries}
     return doc
 
 
-def _vector_in_bytes(entry: Any) -> Any:
-    """A format-2 norm entry with `vector` in bytes: its elements times their size (fp32 where unsaid)."""
+def _from_format_2(op: Op, entry: Any) -> Any:
+    """A format-2 entry with its params (and its runner-ups') as the op takes them today."""
     if not isinstance(entry, dict):
         return entry
-    size = {"bfloat16": 2, "float16": 2}.get((entry.get("shape") or {}).get("dtype", "float32"), 4)
+    shape = entry.get("shape") if isinstance(entry.get("shape"), dict) else {}
 
     def convert(params: Any) -> Any:
-        if isinstance(params, dict) and isinstance(params.get("vector"), int):
-            return {**params, "vector": params["vector"] * size}
-        return params
+        return op.params_from_format_2(params, shape) if isinstance(params, dict) else params
 
     entry = {**entry, "params": convert(entry.get("params"))}
     if isinstance(entry.get("runner_ups"), list):

@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from mage_gen import gpu, runtime
 from mage_gen.errors import GpuError, LaunchError
+from mage_gen.ops import Op, get_op
 from mage_gen.ops.layernorm import MAX_ROWS
 
 # Looked up once: an eager call's checks and launch are a good part of its cost at small sizes.
@@ -33,6 +34,8 @@ _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "
 # A CPU-only torch has neither, and no CUDA tensor that could reach a launch.
 _current_device = getattr(torch._C, "_cuda_getDevice", None)
 _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+# The ops served here; each names the function of this module that launches it (Op.torch_name), as errors say
+_LAYER_NORM, _RMS_NORM, _MATMUL = get_op("layernorm"), get_op("rmsnorm"), get_op("matmul")
 
 
 def _check_tensor(fn: str, name: str, t: torch.Tensor, device: torch.device | None = None,
@@ -101,58 +104,55 @@ def check_norm(fn: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 @torch.library.custom_op("mage_gen::layer_norm", mutates_args=())
 def _layer_norm_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
-    return _norm_impl("layernorm", x, weight, bias, eps)
+    return _norm_impl(_LAYER_NORM, x, weight, bias, eps)
 
 
 @_layer_norm_op.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
-    check_norm("mage_gen.torch.layer_norm", x, weight, bias)
+    check_norm(_LAYER_NORM.torch_name, x, weight, bias)
     return torch.empty_like(x)
 
 
 @torch.library.custom_op("mage_gen::rms_norm", mutates_args=())
 def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _norm_impl("rmsnorm", x, weight, None, eps)
+    return _norm_impl(_RMS_NORM, x, weight, None, eps)
 
 
 @_rms_norm_op.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    check_norm("mage_gen.torch.rms_norm", x, weight)
+    check_norm(_RMS_NORM.torch_name, x, weight)
     return torch.empty_like(x)
 
 
 @torch.library.custom_op("mage_gen::layer_norm_residual", mutates_args=())
 def _layer_norm_residual_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return _norm_impl("layernorm", x, weight, bias, eps, residual=residual)
+    return _norm_impl(_LAYER_NORM, x, weight, bias, eps, residual=residual)
 
 
 @_layer_norm_residual_op.register_fake
 def _(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    check_norm("mage_gen.torch.layer_norm", x, weight, bias, residual)
+    check_norm(_LAYER_NORM.torch_name, x, weight, bias, residual)
     return torch.empty_like(x), torch.empty_like(x)
 
 
 @torch.library.custom_op("mage_gen::rms_norm_residual", mutates_args=())
 def _rms_norm_residual_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return _norm_impl("rmsnorm", x, weight, None, eps, residual=residual)
+    return _norm_impl(_RMS_NORM, x, weight, None, eps, residual=residual)
 
 
 @_rms_norm_residual_op.register_fake
 def _(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    check_norm("mage_gen.torch.rms_norm", x, weight, None, residual)
+    check_norm(_RMS_NORM.torch_name, x, weight, None, residual)
     return torch.empty_like(x), torch.empty_like(x)
 
 
-_PUBLIC = {"layernorm": "mage_gen.torch.layer_norm", "rmsnorm": "mage_gen.torch.rms_norm"}
-
-
-def _norm_impl(op_name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+def _norm_impl(op: Op, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
                out: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> Any:
     """y, or (y, x + residual) where residual is given."""
-    fn = _PUBLIC[op_name]
+    fn = op.torch_name
     m, d = check_norm(fn, x, weight, bias, residual)
     if out is None:
         y = torch.empty_like(x)
@@ -164,13 +164,13 @@ def _norm_impl(op_name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.
         y = out
     index = x.get_device()
     act, wd = x.dtype, weight.dtype
-    key = (index, op_name, d, m) if act is _float32 is wd and residual is None else \
-        (index, op_name, d, m, act, wd, residual is not None)
+    key = (index, op.name, d, m) if act is _float32 is wd and residual is None else \
+        (index, op.name, d, m, act, wd, residual is not None)
     prepared = launches.get(key)
     if prepared is None:
         dims = {"d": d} if len(key) == 4 else {"d": d, "dtype": _NAMES[act], "weight_dtype": _NAMES[wd],
                                                "residual": residual is not None}
-        prepared = launches[key] = _prepare(index, op_name, dims, {"m": m})
+        prepared = launches[key] = _prepare(index, op.name, dims, {"m": m})
     weights = (weight.data_ptr(),) if bias is None else (weight.data_ptr(), bias.data_ptr())
     if residual is None:
         _launch(prepared, index, (y.data_ptr(), x.data_ptr(), *weights, m, float(eps)))
@@ -232,9 +232,9 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     if (type(x) is _Tensor and type(weight) is _Tensor and type(bias) is _Tensor  # is_eager, inline
             and (out is None or type(out) is _Tensor) and not _is_compiling() and _get_current_dispatch_mode() is None
             and (residual is None or type(residual) is _Tensor)):
-        return _norm_impl("layernorm", x, weight, bias, eps, out, residual)
+        return _norm_impl(_LAYER_NORM, x, weight, bias, eps, out, residual)
     if out is not None:
-        _check_out(_PUBLIC["layernorm"], x, out)
+        _check_out(_LAYER_NORM.torch_name, x, out)
     if residual is not None:
         y, h = _layer_norm_residual_op(x, residual, weight, bias, eps)
         return (y if out is None else out.copy_(y)), h
@@ -249,9 +249,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, residu
     if (type(x) is _Tensor and type(weight) is _Tensor and (out is None or type(out) is _Tensor)
             and not _is_compiling() and _get_current_dispatch_mode() is None
             and (residual is None or type(residual) is _Tensor)):
-        return _norm_impl("rmsnorm", x, weight, None, eps, out, residual)
+        return _norm_impl(_RMS_NORM, x, weight, None, eps, out, residual)
     if out is not None:
-        _check_out(_PUBLIC["rmsnorm"], x, out)
+        _check_out(_RMS_NORM.torch_name, x, out)
     if residual is not None:
         y, h = _rms_norm_residual_op(x, residual, weight, eps)
         return (y if out is None else out.copy_(y)), h
@@ -260,7 +260,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, residu
 
 
 def _check_matmul(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int, int]:
-    fn = "mage_gen.torch.matmul"
+    fn = _MATMUL.torch_name
     _check_tensor(fn, "a", a)
     _check_tensor(fn, "b", b, a.device)
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
@@ -286,10 +286,10 @@ def _matmul_impl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     m, n, k = _check_matmul(a, b)
     c = torch.empty((m, n), dtype=a.dtype, device=a.device)
     index = a.get_device()
-    prepared = launches.get((index, "matmul", m, n, k))
+    prepared = launches.get((index, _MATMUL.name, m, n, k))
     if prepared is None:
-        prepared = launches[(index, "matmul", m, n, k)] = _prepare(index, "matmul", {"m": m, "n": n, "k": k}, {},
-                                                                    tuned_only=True)
+        prepared = launches[(index, _MATMUL.name, m, n, k)] = _prepare(index, _MATMUL.name, {"m": m, "n": n, "k": k},
+                                                                        {}, tuned_only=True)
     _launch(prepared, index, (c.data_ptr(), a.data_ptr(), b.data_ptr()))
     return c
 

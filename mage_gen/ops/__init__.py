@@ -1,10 +1,13 @@
 """The op families mage-gen can generate, by name."""
 
+from importlib import import_module
+
 from mage_gen.errors import ConfigError
-from mage_gen.ops import gemm_sm90, layernorm, matmul, matmul_tc, rmsnorm
 from mage_gen.ops.base import Arg, Launch, Op
 
-OPS: dict[str, Op] = {op.name: op for op in (layernorm.OP, rmsnorm.OP, matmul.OP, matmul_tc.OP, gemm_sm90.OP)}
+# The module of mage_gen/ops/ that defines each op family as OP, in the order the command line lists what they take
+FAMILIES = ("layernorm", "rmsnorm", "matmul", "matmul_tc", "gemm_sm90")
+OPS: dict[str, Op] = {op.name: op for op in (import_module(f"mage_gen.ops.{family}").OP for family in FAMILIES)}
 
 
 def get_op(name: str) -> Op:

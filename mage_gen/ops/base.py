@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+import importlib
+from collections.abc import Callable, Mapping
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, Protocol
 
@@ -82,7 +84,51 @@ class Launch:
         return self.block[0] * self.block[1] * self.block[2]
 
 
-class TiledProduct:
+@dataclass(frozen=True)
+class LazyFunction:
+    """A function named by its module and name, imported at its first use: an op names its peers this way, as they
+    need torch and Triton, which importing the ops must not. `bound` fixes some of its keyword arguments."""
+
+    module: str
+    name: str
+    bound: tuple[tuple[str, Any], ...] = ()
+
+    def resolve(self) -> Callable[..., Any]:
+        function = getattr(importlib.import_module(self.module), self.name)
+        return functools.partial(function, **dict(self.bound)) if self.bound else function
+
+
+class OpFamily:
+    """What an op declares beyond its kernels, for the code that serves every op (the peers, the runtime, the torch
+    ops, the store), at the values most ops take: that code asks the op, never a table of op names."""
+
+    name: str
+    # the builder of mage_gen.peers that makes what this op's kernels are timed against, called as
+    # (shape, inputs, eps, inductor, tensor_of, output_of) -> {family: [peer, ...] or why it is missing}; None: none
+    peer_builder: LazyFunction | None = None
+    # where nothing is tuned for a shape, the params the runtime tries, in order, each over op.defaults(shape): the
+    # first the op accepts runs
+    default_candidates: tuple[Mapping[str, Any], ...] = ({},)
+    # the function of mage_gen.torch that launches this op, as its errors name it; None: mage_gen.torch has none
+    torch_name: str | None = None
+    # what each of the shape's fields (sizes at generation and at launch, and options) means for this op, as the
+    # command line's help gives it
+    field_help: Mapping[str, str] = {}
+
+    def peers(self, shape: Any, inputs: dict[str, np.ndarray], eps: float, inductor: bool,
+              tensor_of: Callable[[str, DType], Any], output_of: Callable[..., Any]) -> dict[str, Any]:
+        """This op's peers by family, each family a list of candidates or the reason it has none; {} without a
+        peer_builder."""
+        if self.peer_builder is None:
+            return {}
+        return self.peer_builder.resolve()(shape, inputs, eps, inductor, tensor_of, output_of)
+
+    def params_from_format_2(self, params: dict[str, Any], shape: dict[str, Any]) -> dict[str, Any]:
+        """Params as a tuned/ file of format 2 stored them, as today's Params take them: most ops' are unchanged."""
+        return params
+
+
+class TiledProduct(OpFamily):
     """The launch of a matrix product whose sizes are all fixed at generation: a block per bm×bn tile of C
     (params bm, bn, threads; the op gives shared_bytes), no run size, no scalars."""
 
@@ -167,6 +213,10 @@ class Arg:
 
 class Op(Protocol):
     name: str
+    peer_builder: LazyFunction | None  # OpFamily's declarations
+    default_candidates: tuple[Mapping[str, Any], ...]
+    torch_name: str | None
+    field_help: Mapping[str, str]
     tolerance: float  # largest accepted ‖out − ref‖ / ‖ref‖ of an fp32 output
     params_type: type
     shape_dims: tuple[str, ...]  # what the kernel is generated for, e.g. ('d',)
@@ -203,3 +253,6 @@ class Op(Protocol):
     # What code calling the emitted kernel must guarantee, as plain JSON data: per pointer argument its dtype,
     # shape, layout and the alignment the generated loads and stores assume; aliasing; each scalar's range.
     def contract(self, shape: Any, params: Any) -> dict[str, Any]: ...
+    def peers(self, shape: Any, inputs: dict[str, np.ndarray], eps: float, inductor: bool,
+              tensor_of: Callable[[str, DType], Any], output_of: Callable[..., Any]) -> dict[str, Any]: ...
+    def params_from_format_2(self, params: dict[str, Any], shape: dict[str, Any]) -> dict[str, Any]: ...

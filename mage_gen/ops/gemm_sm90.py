@@ -29,8 +29,8 @@ import numpy as np
 
 from mage_gen.dtypes import BFLOAT16, FLOAT32, DType
 from mage_gen.errors import ConfigError
-from mage_gen.ops.base import (Arg, Launch, Rule, TensorMapSpec, check_rules, params_dict, params_from,
-                               public_params_from)
+from mage_gen.ops.base import (Arg, LazyFunction, Launch, OpFamily, Rule, TensorMapSpec, check_rules, params_dict,
+                               params_from, public_params_from)
 from mage_gen.render import Source, render
 
 PRECISIONS = ("bf16",)
@@ -260,7 +260,7 @@ _RULES: tuple[Rule, ...] = (
 )
 
 
-class GemmSm90:
+class GemmSm90(OpFamily):
     name = "gemm_sm90"
     tolerance = 1e-6
     params_type = Params
@@ -269,6 +269,11 @@ class GemmSm90:
     run_defaults: dict[str, int] = {}
     shape_options = ("precision", "c_dtype", "b_layout")
     min_arch = 90
+    peer_builder = LazyFunction("mage_gen.peers", "strided_bf16_gemm_peers")
+    field_help = {"m": "rows of A and C", "n": "columns of C", "k": "columns of A",
+                  "precision": "bf16 (what A and B are; c_dtype is C's)",
+                  "c_dtype": "C's element type: bf16 or fp32",
+                  "b_layout": "nk (B N×K, C = A·Bᵀ) or kn (B K×N, C = A·B)"}
 
     def shape(self, m: int, n: int, k: int, precision: str = "bf16", c_dtype: str = "bf16", b_layout: str = "nk") -> Shape:
         for name, value in (("m", m), ("n", n), ("k", k)):

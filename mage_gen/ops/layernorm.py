@@ -36,7 +36,8 @@ import numpy as np
 from mage_gen.dtypes import FLOAT32, DType
 from mage_gen.dtypes import dtype as element_type
 from mage_gen.errors import ConfigError
-from mage_gen.ops.base import Arg, Launch, params_dict, params_from, public_params_from, register_cap
+from mage_gen.ops.base import (Arg, LazyFunction, Launch, OpFamily, Rule, check_rules, params_dict, params_from,
+                               public_params_from, register_cap)
 from mage_gen.render import Source, render
 
 TEMPLATES = ("row", "multirow", "wide")
@@ -136,6 +137,15 @@ class Params:
                 f"{self.rsqrt} {self.hint}{extra}")
 
 
+# Where nothing is tuned for a shape (the runtime), the first of these the op accepts: a row held in registers at the
+# widest access, by 128 threads where the row keeps them busy, more where its registers need them, fewer only for a
+# short row; template wide for a row too long to hold
+DEFAULT_CANDIDATES = (tuple({"template": "row", "threads": t, "vector": v}
+                            for v in (16, 8, 4) for t in (128, 256, 512, 1024, 64, 32))
+                      + tuple({"template": "wide", "threads": t, "vector": v}
+                              for v in (16, 4) for t in (1024, 256, 32)))
+
+
 def _registers_needed(values: int, words: int) -> int:
     """A conservative estimate, fitted to ptxas 13.0 over 1457 compiled row/multirow variants (none that
     it admits spilled): narrower vectors cost more registers per value in addresses and predicates."""
@@ -146,7 +156,161 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-class LayerNorm:
+def _elements(shape: Shape, p: Params) -> int:
+    """Elements per access of a row: `vector` bytes of the activation type."""
+    return p.vector // element_type(shape.dtype).itemsize
+
+
+def _slots(shape: Shape, p: Params) -> int:
+    return math.ceil((shape.d // _elements(shape, p)) / p.threads)
+
+
+def _weight_tensors(norm: str) -> tuple[str, ...]:
+    return ("w", "b") if norm == "layer" else ("w",)
+
+
+def _held_values(shape: Shape, p: Params, norm: str) -> int:
+    """Floats a thread of template row or multirow holds: its slots of the row (and of the weights read early)."""
+    d, v, act = shape.d, _elements(shape, p), element_type(shape.dtype)
+    unit = 2 if act.half else 1
+    # a persistent block holds its next rows too; a residual row is two tensors until they are added
+    values = ((_slots(shape, p) * v + (2 * unit if d % v else 0)) * (2 if p.grid_cap else 1)
+              * (2 if shape.residual else 1)) // (2 if p.hold == "packed" else 1)
+    if p.weights == "early":  # held as loaded: a 16-bit pair per register
+        weight = element_type(shape.weight_dtype)
+        values += _slots(shape, p) * v * len(_weight_tensors(norm)) // (2 if weight.half else 1)
+    return values
+
+
+def _short(dtype: str) -> str:
+    return element_type(dtype).short
+
+
+def row_norm_rules(norm: str) -> tuple[Rule, ...]:
+    """A row norm's rules, in the order they are checked (the first a config breaks is the one reported). norm:
+    'layer', or 'rms', whose only weight is w."""
+    def held(s: Shape, p: Params) -> int:
+        return _held_values(s, p, norm)
+
+    def need(s: Shape, p: Params) -> int:
+        return _registers_needed(held(s, p), p.vector // 4)
+
+    def squeezed(p: Params) -> int:
+        return register_cap(p.threads * p.rows_per_block, p.min_blocks)
+
+    def resident(p: Params) -> bool:  # templates row and multirow hold the row in registers
+        return p.template != "wide"
+
+    return (
+        Rule("template", lambda s, p: p.template in TEMPLATES,
+             lambda s, p: f"unknown layernorm template {p.template!r}; use one of {', '.join(TEMPLATES)}"),
+        Rule("threads-multiple-of-32", lambda s, p: isinstance(p.threads, int) and not p.threads % 32,
+             lambda s, p: f"threads per row must be a multiple of 32, got {p.threads}"),
+        Rule("threads-range", lambda s, p: 32 <= p.threads <= 1024,
+             lambda s, p: f"threads per row must be 32..1024, got {p.threads}"),
+        Rule("vector-width", lambda s, p: p.vector in VECTOR_WIDTHS,
+             lambda s, p: f"vector is the bytes of one access of a row, one of {VECTOR_WIDTHS}, got {p.vector}"),
+        Rule("vector-width", lambda s, p: _elements(s, p) <= s.d,
+             lambda s, p: f"vector={p.vector} bytes is {_elements(s, p)} {_short(s.dtype)} elements, more than the "
+                          f"row (d={s.d}); use vector 4"),
+        Rule("rsqrt", lambda s, p: p.rsqrt in RSQRT_MODES,
+             lambda s, p: f"rsqrt must be one of {RSQRT_MODES}, got {p.rsqrt!r}"),
+        Rule("hint", lambda s, p: p.hint in HINTS, lambda s, p: f"hint must be one of {HINTS}, got {p.hint!r}"),
+        Rule("stats", lambda s, p: p.stats in STATS, lambda s, p: f"stats must be one of {STATS}, got {p.stats!r}"),
+        Rule("grid-cap", lambda s, p: isinstance(p.grid_cap, int) and p.grid_cap >= 0,
+             lambda s, p: f"grid_cap is 0 (a block per row group) or a block count, got {p.grid_cap!r}"),
+        Rule("weights", lambda s, p: p.weights in WEIGHTS,
+             lambda s, p: f"weights must be one of {WEIGHTS}, got {p.weights!r}"),
+        Rule("hold", lambda s, p: p.hold in HOLDS, lambda s, p: f"hold must be one of {HOLDS}, got {p.hold!r}"),
+        Rule("wide-options", lambda s, p: resident(p) or not (p.grid_cap or p.stats == "one_pass"
+                                                              or p.weights == "early" or p.hold != "float"),
+             lambda s, p: "template wide takes no grid_cap, stats two_pass (Chan's merge) or shifted, weights late "
+                          "or l2 and hold float: one block per row, which holds no row"),
+        Rule("wide-options", lambda s, p: resident(p) or p.stats != "shifted" or not s.d % _elements(s, p),
+             lambda s, p: "template wide takes stats shifted over rows of whole vectors; use a vector that divides "
+                          f"d = {s.d}, or stats two_pass"),
+        Rule("hint", lambda s, p: p.hint not in KEEP_HINTS or not (resident(p) or s.d % _elements(s, p)),
+             lambda s, p: f"hint {p.hint} keeps a row in L2 between the two passes of template wide, over rows of "
+                          "whole vectors; use hint nc"),
+        Rule("min-blocks", lambda s, p: isinstance(p.min_blocks, int) and 1 <= p.min_blocks <= 8,
+             lambda s, p: f"min_blocks is the blocks per SM to fit, 1..8, got {p.min_blocks!r}"),
+        Rule("min-blocks", lambda s, p: p.threads * p.rows_per_block * p.min_blocks <= MAX_THREADS_PER_SM,
+             lambda s, p: f"{p.min_blocks} blocks of {p.threads * p.rows_per_block} threads exceed the "
+                          f"{MAX_THREADS_PER_SM} threads an SM holds; use fewer blocks or threads"),
+        # the shifted statistics' cancellation (the module's doc) within half the output's unit roundoff
+        Rule("stats", lambda s, p: p.stats != "shifted" or (element_type(s.dtype).half
+                                                             and s.d * 2.0**-24 <= element_type(s.dtype).unit_roundoff),
+             lambda s, p: "shifted statistics lose up to 2⁻²⁴·(d + 1) of the variance on the worst row, which only a "
+                          "16-bit output of d ≤ 2²⁴·u absorbs (bf16 d ≤ 65536, fp16 d ≤ 8192); this row is "
+                          f"{_short(s.dtype)} of d={s.d}: use stats two_pass or one_pass"),
+        Rule("hold", lambda s, p: p.hold != "packed" or element_type(s.dtype).half,
+             lambda s, p: f"only a 16-bit row can be held packed, this one is {_short(s.dtype)}; leave hold at float"),
+        Rule("hold", lambda s, p: p.hold != "packed" or not s.d % _elements(s, p),
+             lambda s, p: f"a packed row is held in whole vectors, so vector ({_elements(s, p)} elements) must divide "
+                          f"d={s.d}; use hold float or a narrower vector"),
+        Rule("weights", lambda s, p: p.weights != "early" or not s.d % _elements(s, p),
+             lambda s, p: f"early weights need every row's vectors at the same columns, so vector ({_elements(s, p)} "
+                          f"elements) must divide d={s.d}; use weights late or a narrower vector"),
+        Rule("weights", lambda s, p: p.weights != "l2" or not s.d * element_type(s.weight_dtype).itemsize % 16,
+             lambda s, p: f"a bulk prefetch moves whole 16-byte units, and w of d={s.d} {_short(s.weight_dtype)} is "
+                          f"{s.d * element_type(s.weight_dtype).itemsize} bytes; use weights late"),
+        Rule("l2-ahead", lambda s, p: isinstance(p.l2_ahead, int) and p.l2_ahead >= 0,
+             lambda s, p: f"l2_ahead is KB of rows ahead (0: none), got {p.l2_ahead!r}"),
+        Rule("l2-ahead", lambda s, p: not (p.l2_ahead and p.grid_cap),
+             lambda s, p: "only a grid of one row group per block (grid_cap 0) asks L2 for a later block's rows; "
+                          "leave l2_ahead at 0"),
+        Rule("ahead-priority", lambda s, p: resident(p) or p.ahead_priority == "normal",
+             lambda s, p: "template wide never gives the rows asked ahead normal priority again once read; leave "
+                          "ahead_priority at normal"),
+        Rule("ahead-priority", lambda s, p: p.ahead_priority in AHEAD_PRIORITIES,
+             lambda s, p: f"ahead_priority must be one of {AHEAD_PRIORITIES}, got {p.ahead_priority!r}"),
+        Rule("ahead-priority", lambda s, p: p.ahead_priority == "normal" or p.l2_ahead > 0,
+             lambda s, p: "the priority is of the rows asked ahead, and l2_ahead is 0; leave ahead_priority at "
+                          "normal or set l2_ahead"),
+        Rule("l1", lambda s, p: p.l1 in L1_PRIORITIES,
+             lambda s, p: f"l1 must be one of {tuple(L1_PRIORITIES)}, got {p.l1!r}"),
+        Rule("l1", lambda s, p: p.l1 == "normal" or p.hint in KEEP_HINTS,
+             lambda s, p: "L1 priorities are given to the two passes of a keep hint (template wide), and hint is "
+                          f"{p.hint}; leave l1 at normal"),
+        Rule("l2-ahead", lambda s, p: not p.l2_ahead or not s.d * element_type(s.dtype).itemsize % 16,
+             lambda s, p: "a bulk prefetch moves whole 16-byte units from 16-byte-aligned rows, and a row of "
+                          f"d={s.d} {_short(s.dtype)} is {s.d * element_type(s.dtype).itemsize} bytes; leave "
+                          "l2_ahead at 0"),
+        Rule("rows-per-block", lambda s, p: p.template != "multirow" or (isinstance(p.rows_per_block, int)
+                                                                          and p.rows_per_block >= 2),
+             lambda s, p: f"template multirow needs 2 or more rows per block, got {p.rows_per_block}; use template "
+                          "row for one"),
+        Rule("block-size", lambda s, p: p.template != "multirow" or p.threads * p.rows_per_block <= 1024,
+             lambda s, p: f"{p.threads} threads × {p.rows_per_block} rows = {p.threads * p.rows_per_block} threads "
+                          "exceeds 1024 per block"),
+        Rule("rows-per-block", lambda s, p: p.template == "multirow" or p.rows_per_block == 1,
+             lambda s, p: f"template {p.template} handles one row per block, got {p.rows_per_block}; use template "
+                          "multirow"),
+        Rule("idle-threads", lambda s, p: p.threads <= _round_up(s.d // _elements(s, p), 32),
+             lambda s, p: f"a row of {s.d // _elements(s, p)} vectors keeps at most "
+                          f"{_round_up(s.d // _elements(s, p), 32)} threads busy, got {p.threads}"),
+        Rule("registers", lambda s, p: not resident(p) or held(s, p) <= MAX_VALUES_PER_THREAD,
+             lambda s, p: f"template {p.template} would hold {held(s, p)} floats per thread (limit "
+                          f"{MAX_VALUES_PER_THREAD}); use more threads or template wide"),
+        Rule("registers", lambda s, p: not resident(p) or need(s, p) <= register_cap(p.threads * p.rows_per_block),
+             lambda s, p: f"{held(s, p)} floats per thread need about {need(s, p)} registers, over the "
+                          f"{register_cap(p.threads * p.rows_per_block)} a block of {p.threads * p.rows_per_block} "
+                          "threads leaves each; use fewer rows per block, a wider vector, more threads per row or "
+                          "template wide"),
+        # ptxas is asked to fit min_blocks only where it would not fit them unasked, and never so tightly that the
+        # held floats spill
+        Rule("min-blocks", lambda s, p: not resident(p) or p.min_blocks <= 1 or need(s, p) > squeezed(p),
+             lambda s, p: f"about {need(s, p)} registers per thread fit {p.min_blocks} blocks per SM unasked; leave "
+                          "min_blocks at 1"),
+        Rule("registers", lambda s, p: not resident(p) or p.min_blocks <= 1
+             or held(s, p) + _SQUEEZE_OVERHEAD <= squeezed(p),
+             lambda s, p: f"{p.min_blocks} blocks of {p.threads * p.rows_per_block} threads leave {squeezed(p)} "
+                          f"registers per thread, too few for the {held(s, p)} floats each holds; use fewer "
+                          "min_blocks"),
+    )
+
+
+class LayerNorm(OpFamily):
     name = "layernorm"
     tolerance = 1e-5
     params_type = Params
@@ -158,6 +322,15 @@ class LayerNorm:
     min_arch = 70  # ld.global.nc.L1::no_allocate
     norm = "layer"  # the templates' NORM: what the row is normalized by (RMSNorm: "rms")
     eps_meaning = "added to the variance before the square root"
+    rules = row_norm_rules(norm)
+    peer_builder = LazyFunction("mage_gen.peers", "row_norm_peers",
+                                (("torch_fn", "F.layer_norm"), ("triton_kernel", "triton_layernorm")))
+    default_candidates = DEFAULT_CANDIDATES
+    torch_name = "mage_gen.torch.layer_norm"
+    field_help = {"d": "row length", "m": f"rows at launch (default {run_defaults['m']})",
+                  "dtype": "element type of x, y and the residual: fp32 (default), bf16 or fp16; statistics are "
+                           "always fp32",
+                  "weight_dtype": "element type of w and b: the activations' (default) or fp32"}
 
     # ---- shapes and params ----
     def shape(self, d: Any = None, dtype: str | None = None, weight_dtype: str | None = None,
@@ -219,139 +392,26 @@ class LayerNorm:
         return params_dict(params)
 
     def validate(self, shape: Shape, p: Params) -> None:
-        d, t = shape.d, p.threads
-        if p.template not in TEMPLATES:
-            raise ConfigError(f"template: unknown layernorm template {p.template!r}; use one of {', '.join(TEMPLATES)}")
-        if not isinstance(t, int) or t % 32:
-            raise ConfigError(f"threads-multiple-of-32: threads per row must be a multiple of 32, got {t}")
-        if not 32 <= t <= 1024:
-            raise ConfigError(f"threads-range: threads per row must be 32..1024, got {t}")
-        act = element_type(shape.dtype)
-        if p.vector not in VECTOR_WIDTHS:
-            raise ConfigError(f"vector-width: vector is the bytes of one access of a row, one of {VECTOR_WIDTHS}, "
-                              f"got {p.vector}")
-        v = self._elements(shape, p)
-        if v > d:
-            raise ConfigError(f"vector-width: vector={p.vector} bytes is {v} {act.short} elements, more than the row "
-                              f"(d={d}); use vector 4")
-        if p.rsqrt not in RSQRT_MODES:
-            raise ConfigError(f"rsqrt: rsqrt must be one of {RSQRT_MODES}, got {p.rsqrt!r}")
-        if p.hint not in HINTS:
-            raise ConfigError(f"hint: hint must be one of {HINTS}, got {p.hint!r}")
-        if p.stats not in STATS:
-            raise ConfigError(f"stats: stats must be one of {STATS}, got {p.stats!r}")
-        if not isinstance(p.grid_cap, int) or p.grid_cap < 0:
-            raise ConfigError(f"grid-cap: grid_cap is 0 (a block per row group) or a block count, got {p.grid_cap!r}")
-        if p.weights not in WEIGHTS:
-            raise ConfigError(f"weights: weights must be one of {WEIGHTS}, got {p.weights!r}")
-        if p.hold not in HOLDS:
-            raise ConfigError(f"hold: hold must be one of {HOLDS}, got {p.hold!r}")
-        if p.template == "wide" and (p.grid_cap or p.stats == "one_pass" or p.weights == "early" or p.hold != "float"):
-            raise ConfigError("wide-options: template wide takes no grid_cap, stats two_pass (Chan's merge) or "
-                              "shifted, weights late or l2 and hold float: one block per row, which holds no row")
-        if p.template == "wide" and p.stats == "shifted" and d % self._elements(shape, p):
-            raise ConfigError("wide-options: template wide takes stats shifted over rows of whole vectors; use a vector "
-                              f"that divides d = {d}, or stats two_pass")
-        if p.hint in KEEP_HINTS and (p.template != "wide" or d % self._elements(shape, p)):
-            raise ConfigError(f"hint: hint {p.hint} keeps a row in L2 between the two passes of template wide, over "
-                              "rows of whole vectors; use hint nc")
-        if not isinstance(p.min_blocks, int) or not 1 <= p.min_blocks <= 8:
-            raise ConfigError(f"min-blocks: min_blocks is the blocks per SM to fit, 1..8, got {p.min_blocks!r}")
-        if t * p.rows_per_block * p.min_blocks > MAX_THREADS_PER_SM:
-            raise ConfigError(f"min-blocks: {p.min_blocks} blocks of {t * p.rows_per_block} threads exceed the "
-                              f"{MAX_THREADS_PER_SM} threads an SM holds; use fewer blocks or threads")
-        if p.stats == "shifted" and not (act.half and d * 2.0**-24 <= act.unit_roundoff):
-            raise ConfigError(f"stats: shifted statistics lose up to 2⁻²⁴·(d + 1) of the variance on the worst row, "
-                              f"which only a 16-bit output of d ≤ 2²⁴·u absorbs (bf16 d ≤ 65536, fp16 d ≤ 8192); this "
-                              f"row is {act.short} of d={d}: use stats two_pass or one_pass")
-        if p.hold == "packed" and not act.half:
-            raise ConfigError(f"hold: only a 16-bit row can be held packed, this one is {act.short}; leave hold at "
-                              "float")
-        if p.hold == "packed" and d % v:
-            raise ConfigError(f"hold: a packed row is held in whole vectors, so vector ({v} elements) must divide "
-                              f"d={d}; use hold float or a narrower vector")
-        if p.weights == "early" and d % v:
-            raise ConfigError(f"weights: early weights need every row's vectors at the same columns, so vector "
-                              f"({v} elements) must divide d={d}; use weights late or a narrower vector")
-        if p.weights == "l2" and d * element_type(shape.weight_dtype).itemsize % 16:
-            raise ConfigError(f"weights: a bulk prefetch moves whole 16-byte units, and w of d={d} "
-                              f"{element_type(shape.weight_dtype).short} is {d * element_type(shape.weight_dtype).itemsize} "
-                              "bytes; use weights late")
-        if not isinstance(p.l2_ahead, int) or p.l2_ahead < 0:
-            raise ConfigError(f"l2-ahead: l2_ahead is KB of rows ahead (0: none), got {p.l2_ahead!r}")
-        if p.l2_ahead and p.grid_cap:
-            raise ConfigError("l2-ahead: only a grid of one row group per block (grid_cap 0) asks L2 for a later "
-                              "block's rows; leave l2_ahead at 0")
-        if p.template == "wide" and p.ahead_priority != "normal":
-            raise ConfigError("ahead-priority: template wide never gives the rows asked ahead normal priority again "
-                              "once read; leave ahead_priority at normal")
-        if p.ahead_priority not in AHEAD_PRIORITIES:
-            raise ConfigError(f"ahead-priority: ahead_priority must be one of {AHEAD_PRIORITIES}, got {p.ahead_priority!r}")
-        if p.ahead_priority != "normal" and not p.l2_ahead:
-            raise ConfigError("ahead-priority: the priority is of the rows asked ahead, and l2_ahead is 0; "
-                              "leave ahead_priority at normal or set l2_ahead")
-        if p.l1 not in L1_PRIORITIES:
-            raise ConfigError(f"l1: l1 must be one of {tuple(L1_PRIORITIES)}, got {p.l1!r}")
-        if p.l1 != "normal" and p.hint not in KEEP_HINTS:
-            raise ConfigError(f"l1: L1 priorities are given to the two passes of a keep hint (template wide), and "
-                              f"hint is {p.hint}; leave l1 at normal")
-        if p.l2_ahead and d * act.itemsize % 16:
-            raise ConfigError(f"l2-ahead: a bulk prefetch moves whole 16-byte units from 16-byte-aligned rows, and a "
-                              f"row of d={d} {act.short} is {d * act.itemsize} bytes; leave l2_ahead at 0")
-        r = p.rows_per_block
-        if p.template == "multirow":
-            if not isinstance(r, int) or r < 2:
-                raise ConfigError(f"rows-per-block: template multirow needs 2 or more rows per block, got {r}; "
-                                  "use template row for one")
-            if t * r > 1024:
-                raise ConfigError(f"block-size: {t} threads × {r} rows = {t * r} threads exceeds 1024 per block")
-        elif r != 1:
-            raise ConfigError(f"rows-per-block: template {p.template} handles one row per block, got {r}; "
-                              "use template multirow")
-        useful = _round_up(d // v, 32)
-        if t > useful:
-            raise ConfigError(f"idle-threads: a row of {d // v} vectors keeps at most {useful} threads busy, "
-                              f"got {t}")
-        if p.template != "wide":
-            # a persistent block holds its next rows too; a residual row is two tensors until they are added
-            unit = 2 if act.half else 1
-            values = ((self._slots(shape, p) * v + (2 * unit if d % v else 0)) * (2 if p.grid_cap else 1)
-                      * (2 if shape.residual else 1)) // (2 if p.hold == "packed" else 1)
-            if p.weights == "early":  # held as loaded: a 16-bit pair per register
-                weight = element_type(shape.weight_dtype)
-                values += self._slots(shape, p) * v * len(self._weight_tensors()) // (2 if weight.half else 1)
-            if values > MAX_VALUES_PER_THREAD:
-                raise ConfigError(f"registers: template {p.template} would hold {values} floats per thread "
-                                  f"(limit {MAX_VALUES_PER_THREAD}); use more threads or template wide")
-            need, cap = _registers_needed(values, p.vector // 4), register_cap(t * r)
-            if need > cap:
-                raise ConfigError(f"registers: {values} floats per thread need about {need} registers, over the "
-                                  f"{cap} a block of {t * r} threads leaves each; use fewer rows per block, a "
-                                  "wider vector, more threads per row or template wide")
-            if p.min_blocks > 1:
-                squeezed = register_cap(t * r, p.min_blocks)
-                if need <= squeezed:
-                    raise ConfigError(f"min-blocks: about {need} registers per thread fit {p.min_blocks} blocks per SM "
-                                      "unasked; leave min_blocks at 1")
-                if values + _SQUEEZE_OVERHEAD > squeezed:
-                    raise ConfigError(f"registers: {p.min_blocks} blocks of {t * r} threads leave {squeezed} registers "
-                                      f"per thread, too few for the {values} floats each holds; use fewer min_blocks")
+        check_rules(self.rules, shape, p)
 
-    def _elements(self, shape: Shape, p: Params) -> int:
-        """Elements per access of a row: `vector` bytes of the activation type."""
-        return p.vector // element_type(shape.dtype).itemsize
+    def params_from_format_2(self, params: dict[str, Any], shape: dict[str, Any]) -> dict[str, Any]:
+        """Format 2 counted `vector` in elements of the activations (fp32 where the shape does not say)."""
+        if not isinstance(params.get("vector"), int):
+            return params
+        size = {"bfloat16": 2, "float16": 2}.get(shape.get("dtype", "float32"), 4)
+        return {**params, "vector": params["vector"] * size}
 
     def _weight_tensors(self) -> tuple[str, ...]:
-        return ("w", "b") if self.norm == "layer" else ("w",)
+        return _weight_tensors(self.norm)
 
     def _slots(self, shape: Shape, p: Params) -> int:
-        return math.ceil((shape.d // self._elements(shape, p)) / p.threads)
+        return _slots(shape, p)
 
     # ---- generation ----
     def kernel_name(self, shape: Shape, p: Params) -> str:
         # _v counts elements per access (v4: 16 bytes of fp32), as before `vector` was given in bytes, so
         # that every kernel keeps its name and its tuned entries stay current
-        return (f"layernorm_{p.template}_d{shape.d}{self._type_tag(shape)}_t{p.threads}_v{self._elements(shape, p)}_r{p.rows_per_block}"
+        return (f"layernorm_{p.template}_d{shape.d}{self._type_tag(shape)}_t{p.threads}_v{_elements(shape, p)}_r{p.rows_per_block}"
                 f"_{p.rsqrt}_{p.hint}" + {"two_pass": "", "one_pass": "_onepass", "shifted": "_shift"}[p.stats]
                 + (f"_g{p.grid_cap}" if p.grid_cap else "") + ("" if p.weights == "late" else f"_w{p.weights}")
                 + (f"_b{p.min_blocks}" if p.min_blocks > 1 else "") + ("_hpack" if p.hold == "packed" else "")
@@ -366,7 +426,7 @@ class LayerNorm:
                 + ("_res" if shape.residual else ""))
 
     def context(self, shape: Shape, p: Params) -> dict[str, Any]:
-        d, t, v, r = shape.d, p.threads, self._elements(shape, p), p.rows_per_block
+        d, t, v, r = shape.d, p.threads, _elements(shape, p), p.rows_per_block
         nvec = d // v
         x_hint, y_hint, wb_hint = _HINT_SUFFIXES[p.hint]
         pass1_hint = "nc" if p.hint != "none" else ""

@@ -17,7 +17,8 @@ import numpy as np
 
 from mage_gen.dtypes import FLOAT32, DType
 from mage_gen.errors import ConfigError
-from mage_gen.ops.base import Arg, TiledProduct, params_dict, params_from, public_params_from, register_cap
+from mage_gen.ops.base import (Arg, LazyFunction, Rule, TiledProduct, check_rules, params_dict, params_from,
+                               public_params_from, register_cap)
 from mage_gen.render import Source, render
 
 MAX_SHARED_BYTES = 227 * 1024  # the opt-in limit per block on sm_90; smaller GPUs refuse at launch
@@ -79,6 +80,119 @@ def _widest_copy(*extents: int) -> int:
     return next(width for width in (16, 8, 4) if all(e % (width // 4) == 0 for e in extents))
 
 
+def _copy_grid(p: Params) -> dict[str, tuple[int, int, int]]:
+    """Per operand, its tile as cp.async sees it: (rows, copies per row, floats per copy)."""
+    a_vec = p.a_width // 4 if p.a_layout == "direct" else 1
+    b_vec = p.b_width // 4
+    return {"A": (p.bm, p.bk // a_vec, a_vec), "B": (p.bk, p.bn // b_vec, b_vec)}
+
+
+def _copies(p: Params) -> dict[str, int]:
+    """cp.async instructions a block issues per K tile, per operand."""
+    return {tensor: rows * chunks for tensor, (rows, chunks, _) in _copy_grid(p).items()}
+
+
+def _tails(shape: Shape, p: Params) -> tuple[bool, bool, bool]:
+    """Whether M, N and K leave a partial tile."""
+    return shape.m % p.bm != 0, shape.n % p.bn != 0, shape.k % p.bk != 0
+
+
+def _copies_per_thread(p: Params) -> int:
+    return sum(_copies(p).values()) // p.threads
+
+
+def _strides(p: Params) -> tuple[int, int, int]:
+    """(A row stride, A stage floats, B stage floats) in shared memory."""
+    a_stride = (p.bm if p.a_layout == "transposed" else p.bk) + p.a_pad
+    a_rows = p.bk if p.a_layout == "transposed" else p.bm
+    return a_stride, a_rows * a_stride, p.bk * (p.bn + p.b_pad)
+
+
+def _shared_bytes(p: Params) -> int:
+    _, a_stage, b_stage = _strides(p)
+    return p.buffers * (a_stage + b_stage) * 4
+
+
+def _registers_needed(shape: Shape, p: Params) -> int:
+    tails = any(_tails(shape, p))
+    extra = _REGISTERS_PER_COPY * _copies_per_thread(p) + 20 if tails else _REGISTERS_WITHOUT_TAILS
+    return p.tm * p.tn + p.tm + p.tn + extra
+
+
+def _warp_tile(p: Params) -> tuple[int, int]:
+    return p.lanes_m * p.tm, (32 // p.lanes_m) * p.tn
+
+
+def _positive(field: str) -> Rule:
+    return Rule("tile", lambda s, p: isinstance(getattr(p, field), int) and getattr(p, field) >= 1,
+                lambda s, p: f"{field} must be a positive whole number, got {getattr(p, field)!r}")
+
+
+def _tile_copies_split(tensor: str) -> Rule:
+    return Rule("tile-copy", lambda s, p: not _copies(p)[tensor] % p.threads,
+                lambda s, p: f"the {tensor} tile is {_copies(p)[tensor]} copies, not a multiple of {p.threads} threads")
+
+
+def _copy_offsets_fixed(tensor: str) -> Rule:
+    # Each thread's copies sit at fixed (row, column) offsets from its first only when a tile row and the block
+    # divide one another (powers of two always do).
+    def chunks(p: Params) -> int:
+        return _copy_grid(p)[tensor][1]
+
+    return Rule("tile-copy", lambda s, p: not (chunks(p) % p.threads and p.threads % chunks(p)),
+                lambda s, p: f"a row of the {tensor} tile is {chunks(p)} copies; it must divide {p.threads} threads "
+                             "or be a multiple of them; use power-of-two tile sizes")
+
+
+_RULES: tuple[Rule, ...] = (
+    *(_positive(field) for field in ("bm", "bn", "bk", "tm", "tn")),
+    Rule("thread-tile", lambda s, p: p.tm in THREAD_TILE and p.tn in THREAD_TILE,
+         lambda s, p: f"tm and tn are one of {THREAD_TILE} (shared memory is read in float4s), got {p.tm}×{p.tn}"),
+    Rule("tile-divides", lambda s, p: not (p.bm % p.tm or p.bn % p.tn),
+         lambda s, p: f"the thread tile {p.tm}×{p.tn} must divide the block tile {p.bm}×{p.bn}"),
+    # Past 256 threads a block leaves each under 128 registers: too few for a register tile and the copies'
+    # addresses, which is where ptxas started to spill.
+    Rule("threads", lambda s, p: not p.threads % 32 and 32 <= p.threads <= MAX_THREADS,
+         lambda s, p: f"(bm/tm)·(bn/tn) = {p.threads} threads; it must be a multiple of 32 in 32..{MAX_THREADS}"),
+    Rule("lanes", lambda s, p: p.lanes_m in LANES_M,
+         lambda s, p: f"lanes_m (lanes of a warp along m) is one of {LANES_M}, got {p.lanes_m!r}"),
+    Rule("split", lambda s, p: isinstance(p.split, bool), lambda s, p: f"split is true or false, got {p.split!r}"),
+    Rule("warp-tile", lambda s, p: not (p.bm % _warp_tile(p)[0] or p.bn % _warp_tile(p)[1]),
+         lambda s, p: f"a warp of {p.lanes_m}×{32 // p.lanes_m} lanes covers {_warp_tile(p)[0]}×{_warp_tile(p)[1]}, "
+                      f"which must divide the block tile {p.bm}×{p.bn}; choose another lanes_m"),
+    Rule("buffers", lambda s, p: p.buffers in (1, 2, 3, 4),
+         lambda s, p: f"1 to 4 shared-memory stages, got {p.buffers}"),
+    Rule("sync", lambda s, p: p.sync in SYNCS, lambda s, p: f"barriers per K tile is one of {SYNCS}, got {p.sync!r}"),
+    Rule("sync", lambda s, p: p.sync != "one" or p.buffers >= 2,
+         lambda s, p: "one barrier per K tile refills the stage read one step earlier, so it needs buffers of 2 or "
+                      "more; use sync two with one buffer"),
+    Rule("a-layout", lambda s, p: p.a_layout in A_LAYOUTS,
+         lambda s, p: f"a_layout is one of {A_LAYOUTS}, got {p.a_layout!r}"),
+    Rule("copy-width", lambda s, p: p.a_width in COPY_WIDTHS and p.b_width in COPY_WIDTHS,
+         lambda s, p: f"cp.async copies 4, 8 or 16 bytes, got A {p.a_width}, B {p.b_width}"),
+    Rule("copy-width", lambda s, p: p.a_layout != "transposed" or p.a_width == 4,
+         lambda s, p: "a transposed A tile scatters every float: a_width must be 4"),
+    Rule("padding", lambda s, p: not (p.a_pad % 4 or p.b_pad % 4) and 0 <= p.a_pad <= 32 and 0 <= p.b_pad <= 32,
+         lambda s, p: f"a_pad and b_pad are multiples of 4 floats up to 32 (16-byte rows), got {p.a_pad}, {p.b_pad}"),
+    Rule("divisibility", lambda s, p: p.a_layout != "direct" or not (s.k % (p.a_width // 4) or p.bk % (p.a_width // 4)),
+         lambda s, p: f"{p.a_width}-byte copies of A rows need K ({s.k}) and bk ({p.bk}) to be multiples of "
+                      f"{p.a_width // 4}; use a_width={_widest_copy(s.k, p.bk)}"),
+    Rule("divisibility", lambda s, p: not (s.n % (p.b_width // 4) or p.bn % (p.b_width // 4)),
+         lambda s, p: f"{p.b_width}-byte copies of B rows need N ({s.n}) and bn ({p.bn}) to be multiples of "
+                      f"{p.b_width // 4}; use b_width={_widest_copy(s.n, p.bn)}"),
+    _tile_copies_split("A"), _tile_copies_split("B"),
+    _copy_offsets_fixed("A"), _copy_offsets_fixed("B"),
+    Rule("shared-memory", lambda s, p: _shared_bytes(p) <= MAX_SHARED_BYTES,
+         lambda s, p: f"{p.buffers} stages need {_shared_bytes(p)} bytes, over the {MAX_SHARED_BYTES} a block can "
+                      "have; use fewer buffers or a smaller tile"),
+    Rule("registers", lambda s, p: _registers_needed(s, p) <= register_cap(p.threads),
+         lambda s, p: f"{p.tm}×{p.tn} accumulators and {_copies_per_thread(p)} copies per thread per tile need about "
+                      f"{_registers_needed(s, p)} registers, over the {register_cap(p.threads)} a block of "
+                      f"{p.threads} threads leaves each; use wider copies, more threads or a smaller thread tile"),
+    Rule("plant", lambda s, p: p.plant in PLANTED_BUGS, lambda s, p: f"unknown planted bug {p.plant!r}"),
+)
+
+
 class Matmul(TiledProduct):
     name = "matmul"
     tolerance = 1e-4  # fp32 FMA lands near 1e-6 here; TF32 would land near 3e-4 and fail
@@ -88,6 +202,9 @@ class Matmul(TiledProduct):
     run_defaults: dict[str, int] = {}
     shape_options: tuple[str, ...] = ()
     _args = (Arg("C", "out"), Arg("A", "in"), Arg("B", "in"))
+    peer_builder = LazyFunction("mage_gen.peers", "fp32_matmul_peers")
+    torch_name = "mage_gen.torch.matmul"
+    field_help = {"m": "rows of A and C", "n": "columns of B and C", "k": "columns of A, rows of B"}
     min_arch = 80  # cp.async
 
     def shape(self, **dims: int) -> Shape:
@@ -120,102 +237,10 @@ class Matmul(TiledProduct):
         return params_dict(params, hidden=_HIDDEN)
 
     def validate(self, shape: Shape, p: Params) -> None:
-        for name in ("bm", "bn", "bk", "tm", "tn"):
-            value = getattr(p, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"tile: {name} must be a positive whole number, got {value!r}")
-        if p.tm not in THREAD_TILE or p.tn not in THREAD_TILE:
-            raise ConfigError(f"thread-tile: tm and tn are one of {THREAD_TILE} (shared memory is read in float4s), "
-                              f"got {p.tm}×{p.tn}")
-        if p.bm % p.tm or p.bn % p.tn:
-            raise ConfigError(f"tile-divides: the thread tile {p.tm}×{p.tn} must divide the block tile {p.bm}×{p.bn}")
-        threads = p.threads
-        # Past 256 threads a block leaves each under 128 registers: too few for a register tile and the
-        # copies' addresses, which is where ptxas started to spill.
-        if threads % 32 or not 32 <= threads <= MAX_THREADS:
-            raise ConfigError(f"threads: (bm/tm)·(bn/tn) = {threads} threads; it must be a multiple of 32 in "
-                              f"32..{MAX_THREADS}")
-        if p.lanes_m not in LANES_M:
-            raise ConfigError(f"lanes: lanes_m (lanes of a warp along m) is one of {LANES_M}, got {p.lanes_m!r}")
-        if not isinstance(p.split, bool):
-            raise ConfigError(f"split: split is true or false, got {p.split!r}")
-        warp_m, warp_n = p.lanes_m * p.tm, (32 // p.lanes_m) * p.tn
-        if p.bm % warp_m or p.bn % warp_n:
-            raise ConfigError(f"warp-tile: a warp of {p.lanes_m}×{32 // p.lanes_m} lanes covers {warp_m}×{warp_n}, "
-                              f"which must divide the block tile {p.bm}×{p.bn}; choose another lanes_m")
-        if p.buffers not in (1, 2, 3, 4):
-            raise ConfigError(f"buffers: 1 to 4 shared-memory stages, got {p.buffers}")
-        if p.sync not in SYNCS:
-            raise ConfigError(f"sync: barriers per K tile is one of {SYNCS}, got {p.sync!r}")
-        if p.sync == "one" and p.buffers < 2:
-            raise ConfigError("sync: one barrier per K tile refills the stage read one step earlier, so it needs "
-                              "buffers of 2 or more; use sync two with one buffer")
-        if p.a_layout not in A_LAYOUTS:
-            raise ConfigError(f"a-layout: a_layout is one of {A_LAYOUTS}, got {p.a_layout!r}")
-        if p.a_width not in COPY_WIDTHS or p.b_width not in COPY_WIDTHS:
-            raise ConfigError(f"copy-width: cp.async copies 4, 8 or 16 bytes, got A {p.a_width}, B {p.b_width}")
-        if p.a_layout == "transposed" and p.a_width != 4:
-            raise ConfigError("copy-width: a transposed A tile scatters every float: a_width must be 4")
-        if p.a_pad % 4 or p.b_pad % 4 or not 0 <= p.a_pad <= 32 or not 0 <= p.b_pad <= 32:
-            raise ConfigError(f"padding: a_pad and b_pad are multiples of 4 floats up to 32 (16-byte rows), "
-                              f"got {p.a_pad}, {p.b_pad}")
-        a_vec, b_vec = p.a_width // 4, p.b_width // 4
-        if p.a_layout == "direct" and (shape.k % a_vec or p.bk % a_vec):
-            raise ConfigError(f"divisibility: {p.a_width}-byte copies of A rows need K ({shape.k}) and bk ({p.bk}) "
-                              f"to be multiples of {a_vec}; use a_width={_widest_copy(shape.k, p.bk)}")
-        if shape.n % b_vec or p.bn % b_vec:
-            raise ConfigError(f"divisibility: {p.b_width}-byte copies of B rows need N ({shape.n}) and bn ({p.bn}) "
-                              f"to be multiples of {b_vec}; use b_width={_widest_copy(shape.n, p.bn)}")
-        for tensor, count in self._copies(p).items():
-            if count % threads:
-                raise ConfigError(f"tile-copy: the {tensor} tile is {count} copies, not a multiple of {threads} threads")
-        for tensor, (_, chunks, _) in self._copy_grid(p).items():
-            # Each thread's copies sit at fixed (row, column) offsets from its first only when a tile row
-            # and the block divide one another (powers of two always do).
-            if chunks % threads and threads % chunks:
-                raise ConfigError(f"tile-copy: a row of the {tensor} tile is {chunks} copies; it must divide "
-                                  f"{threads} threads or be a multiple of them; use power-of-two tile sizes")
-        if (need := self.shared_bytes(shape, p)) > MAX_SHARED_BYTES:
-            raise ConfigError(f"shared-memory: {p.buffers} stages need {need} bytes, over the {MAX_SHARED_BYTES} a "
-                              "block can have; use fewer buffers or a smaller tile")
-        copies = self._copies_per_thread(p)
-        tails = any(self._tails(shape, p))
-        need = p.tm * p.tn + p.tm + p.tn + (_REGISTERS_PER_COPY * copies + 20 if tails else _REGISTERS_WITHOUT_TAILS)
-        if need > (cap := register_cap(threads)):
-            raise ConfigError(f"registers: {p.tm}×{p.tn} accumulators and {copies} copies per thread per tile need "
-                              f"about {need} registers, over the {cap} a block of {threads} threads leaves each; "
-                              "use wider copies, more threads or a smaller thread tile")
-        if p.plant not in PLANTED_BUGS:
-            raise ConfigError(f"plant: unknown planted bug {p.plant!r}")
-
-    def _copy_grid(self, p: Params) -> dict[str, tuple[int, int, int]]:
-        """Per operand, its tile as cp.async sees it: (rows, copies per row, floats per copy)."""
-        a_vec = p.a_width // 4 if p.a_layout == "direct" else 1
-        b_vec = p.b_width // 4
-        return {"A": (p.bm, p.bk // a_vec, a_vec), "B": (p.bk, p.bn // b_vec, b_vec)}
-
-    def _copies(self, p: Params) -> dict[str, int]:
-        """cp.async instructions a block issues per K tile, per operand."""
-        return {tensor: rows * chunks for tensor, (rows, chunks, _) in self._copy_grid(p).items()}
-
-    @staticmethod
-    def _tails(shape: Shape, p: Params) -> tuple[bool, bool, bool]:
-        """Whether M, N and K leave a partial tile."""
-        return shape.m % p.bm != 0, shape.n % p.bn != 0, shape.k % p.bk != 0
-
-    def _copies_per_thread(self, p: Params) -> int:
-        return sum(self._copies(p).values()) // p.threads
-
-    # ---- shared memory layout ----
-    def _strides(self, p: Params) -> tuple[int, int, int]:
-        """(A row stride, A stage floats, B stage floats) in shared memory."""
-        a_stride = (p.bm if p.a_layout == "transposed" else p.bk) + p.a_pad
-        a_rows = p.bk if p.a_layout == "transposed" else p.bm
-        return a_stride, a_rows * a_stride, p.bk * (p.bn + p.b_pad)
+        check_rules(_RULES, shape, p)
 
     def shared_bytes(self, shape: Shape, p: Params) -> int:
-        _, a_stage, b_stage = self._strides(p)
-        return p.buffers * (a_stage + b_stage) * 4
+        return _shared_bytes(p)
 
     # ---- generation ----
     def kernel_name(self, shape: Shape, p: Params) -> str:
@@ -230,8 +255,8 @@ class Matmul(TiledProduct):
         t + i·threads of the tile, counted in copies along rows. validate() makes a tile row and the block
         divide one another, so that element sits at a constant (row, column) from the thread's first one:
         every copy is the thread's base address plus an offset fixed here."""
-        a_stride, _, _ = self._strides(p)
-        rows, chunks, vec = self._copy_grid(p)[tensor]
+        a_stride, _, _ = _strides(p)
+        rows, chunks, vec = _copy_grid(p)[tensor]
         plan = []
         for i in range(rows * chunks // p.threads):
             first = i * p.threads
@@ -246,11 +271,11 @@ class Matmul(TiledProduct):
         return plan
 
     def context(self, shape: Shape, p: Params) -> dict[str, Any]:
-        a_stride, a_stage, b_stage = self._strides(p)
+        a_stride, a_stage, b_stage = _strides(p)
         lanes_n = 32 // p.lanes_m
         warp_m, warp_n = p.lanes_m * p.tm, lanes_n * p.tn
-        tails = self._tails(shape, p)
-        grid = self._copy_grid(p)
+        tails = _tails(shape, p)
+        grid = _copy_grid(p)
         # A thread's fragments: 4 rows (columns) each, contiguous or spread evenly over the warp tile.
         a_frags = [i * (warp_m // (p.tm // 4) if p.split else 4) for i in range(p.tm // 4)]
         b_frags = [j * (warp_n // (p.tn // 4) if p.split else 4) for j in range(p.tn // 4)]

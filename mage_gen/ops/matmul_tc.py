@@ -50,7 +50,8 @@ import numpy as np
 
 from mage_gen.dtypes import BFLOAT16, FLOAT32, DType
 from mage_gen.errors import ConfigError
-from mage_gen.ops.base import Arg, TiledProduct, params_dict, params_from, public_params_from, register_cap
+from mage_gen.ops.base import (Arg, LazyFunction, Rule, TiledProduct, check_rules, params_dict, params_from,
+                               public_params_from, register_cap)
 from mage_gen.render import Source, render
 
 PRECISIONS = ("bf16", "tf32", "fp32x3")
@@ -122,6 +123,144 @@ class Params:
                 + (" prefetch" if self.prefetch == "next" else "") + (f" PLANTED {self.plant}" if self.plant else ""))
 
 
+def _element_size(shape: Shape) -> int:
+    return _ELEMENT[shape.precision].itemsize
+
+
+def _warp_tile(p: Params) -> tuple[int, int]:
+    return p.bm // p.warps_m, p.bn // p.warps_n
+
+
+def _mma_tiles(p: Params) -> tuple[int, int]:
+    """m16 and n8 tiles of a warp's tile."""
+    wm, wn = _warp_tile(p)
+    return wm // 16, wn // 8
+
+
+def _accumulators(p: Params) -> int:
+    mt, nt = _mma_tiles(p)
+    return mt * nt * 4
+
+
+def _tile_copies(shape: Shape, p: Params) -> dict[str, int]:
+    per_copy = p.copy // _element_size(shape)
+    return {"A": p.bm * p.bk // per_copy, "B": p.bk * p.bn // per_copy}
+
+
+def _shared_bytes(shape: Shape, p: Params) -> int:
+    return p.stages * (p.bm * (p.bk + p.pad_a) + p.bk * (p.bn + p.pad_b)) * _element_size(shape)
+
+
+def _copies_per_thread(shape: Shape, p: Params) -> int:
+    return sum(_tile_copies(shape, p).values()) // p.threads
+
+
+def _split(shape: Shape) -> int:
+    """Parts of every fragment, and of C: fp32x3 holds a high and a low one."""
+    return 2 if shape.precision == "fp32x3" else 1
+
+
+def _registers_needed(shape: Shape, p: Params) -> int:
+    # Beyond the accumulators: the unrolled K steps' fragments, and about 4 registers for each copy a thread
+    # issues per tile (its global and shared addresses and guard). Fitted to ptxas 13.0 over 180 variants of
+    # the full preset drawn at random at 1000³, 80 of which it spilled: every one this admits compiled without
+    # spills (tests/test_matmul_tc.py holds the 64×64 warp tiles at the edge).
+    mt, nt = _mma_tiles(p)
+    split = _split(shape)
+    return (split * _accumulators(p) + split * (4 * mt + 2 * nt) * (p.bk // _K_STEP[shape.precision])
+            + 4 * _copies_per_thread(shape, p) + 24)
+
+
+def _b_row_align(shape: Shape) -> int:
+    """ldmatrix wants rows that start on 16-byte boundaries (A always, B where bf16); scalar loads 4."""
+    return 16 if shape.precision == "bf16" else 4
+
+
+def _positive(field: str) -> Rule:
+    return Rule("tile", lambda s, p: (isinstance(getattr(p, field), int) and not isinstance(getattr(p, field), bool)
+                                      and getattr(p, field) >= 1),
+                lambda s, p: f"{field} must be a positive whole number, got {getattr(p, field)!r}")
+
+
+def _pad(field: str) -> Rule:
+    return Rule("pad", lambda s, p: isinstance(getattr(p, field), int) and getattr(p, field) >= 0,
+                lambda s, p: f"{field} is a whole number of elements, got {getattr(p, field)!r}")
+
+
+def _tile_copies_split(tensor: str) -> Rule:
+    return Rule("tile-copy", lambda s, p: not _tile_copies(s, p)[tensor] % p.threads,
+                lambda s, p: f"the {tensor} tile is {_tile_copies(s, p)[tensor]} copies of {p.copy} bytes, not a "
+                             f"multiple of {p.threads} threads")
+
+
+def _wide_b(p: Params) -> bool:
+    return p.b_loads == "wide"
+
+
+_RULES: tuple[Rule, ...] = (
+    *(_positive(field) for field in ("bm", "bn", "bk", "warps_m", "warps_n", "stages")),
+    _pad("pad_a"), _pad("pad_b"),
+    Rule("k-step", lambda s, p: not p.bk % _K_STEP[s.precision],
+         lambda s, p: f"a {s.precision} mma takes K in steps of {_K_STEP[s.precision]}; bk={p.bk} must be a multiple"),
+    Rule("warp-tile", lambda s, p: not (p.bm % p.warps_m or p.bn % p.warps_n or _warp_tile(p)[0] % 16
+                                        or _warp_tile(p)[1] % 8),
+         lambda s, p: f"{p.warps_m}×{p.warps_n} warps over a {p.bm}×{p.bn} tile give each {p.bm / p.warps_m:g}×"
+                      f"{p.bn / p.warps_n:g}; it must be whole multiples of 16×8 (the m16n8 accumulator)"),
+    Rule("threads", lambda s, p: p.threads <= MAX_THREADS,
+         lambda s, p: f"{p.warps_m}×{p.warps_n} warps are {p.threads} threads, over {MAX_THREADS}"),
+    Rule("stages", lambda s, p: 1 <= p.stages <= 4, lambda s, p: f"1 to 4 shared-memory stages, got {p.stages}"),
+    Rule("sync", lambda s, p: p.sync in SYNCS, lambda s, p: f"sync is one of {SYNCS}, got {p.sync!r}"),
+    Rule("sync", lambda s, p: p.sync != "one" or p.stages >= 2,
+         lambda s, p: "one barrier per tile refills a stage while another is read, so it needs 2 or more stages"),
+    Rule("pad", lambda s, p: not (((p.bk + p.pad_a) * _element_size(s)) % 16
+                                  or ((p.bn + p.pad_b) * _element_size(s)) % _b_row_align(s)),
+         lambda s, p: f"shared-memory rows of {p.bk}+{p.pad_a} and {p.bn}+{p.pad_b} {s.precision} elements must be "
+                      f"whole multiples of 16 and {_b_row_align(s)} bytes; use a pad of 0 or 8"),
+    Rule("copy-width", lambda s, p: p.copy in COPY_WIDTHS,
+         lambda s, p: f"copy is the bytes of one cp.async, one of {COPY_WIDTHS}, got {p.copy!r}"),
+    Rule("copy-width", lambda s, p: not ((s.k * _element_size(s)) % p.copy or (s.n * _element_size(s)) % p.copy),
+         lambda s, p: f"{p.copy}-byte copies must divide the rows of A ({s.k} elements) and of B ({s.n}), "
+                      f"{s.k * _element_size(s)} and {s.n * _element_size(s)} bytes; use copy 4"),
+    Rule("copy-width", lambda s, p: not any((elements * _element_size(s)) % p.copy for elements in
+                                            (p.bk + p.pad_a, p.bn + p.pad_b, p.bk, p.bn)),
+         lambda s, p: f"{p.copy}-byte copies must divide the tile rows ({p.bk} and {p.bn} elements) and the "
+                      f"shared-memory rows (+{p.pad_a}, +{p.pad_b}); use a narrower copy"),
+    _tile_copies_split("A"), _tile_copies_split("B"),
+    Rule("registers", lambda s, p: _accumulators(p) <= _ACCUMULATORS_MAX,
+         lambda s, p: f"a {_warp_tile(p)[0]}×{_warp_tile(p)[1]} warp tile is {_accumulators(p)} accumulators a thread "
+                      f"(at most {_ACCUMULATORS_MAX}); use more warps or a smaller tile"),
+    Rule("registers", lambda s, p: _registers_needed(s, p) <= register_cap(p.threads),
+         lambda s, p: f"{_split(s) * _accumulators(p)} accumulators, {p.bk // _K_STEP[s.precision]} unrolled K steps "
+                      f"of fragments and {_copies_per_thread(s, p)} copies a thread need about "
+                      f"{_registers_needed(s, p)} registers, over the {register_cap(p.threads)} a block of "
+                      f"{p.threads} threads leaves each; use a smaller bk, more warps or a smaller tile"),
+    Rule("b-loads", lambda s, p: p.b_loads in B_LOADS, lambda s, p: f"b_loads is one of {B_LOADS}, got {p.b_loads!r}"),
+    Rule("b-loads", lambda s, p: not (_wide_b(p) and s.precision == "bf16"),
+         lambda s, p: "bf16 B fragments come by ldmatrix; wide B loads are for tf32 and fp32x3"),
+    Rule("b-loads", lambda s, p: not _wide_b(p) or (_mma_tiles(p)[1] >= 2
+                                                    and not _mma_tiles(p)[1] % _b_group(_mma_tiles(p)[1])),
+         lambda s, p: f"a {_warp_tile(p)[1]}-wide warp tile is {_mma_tiles(p)[1]} n-tiles; wide loads take them 2 or 4 "
+                      "at a time; use word"),
+    Rule("b-loads", lambda s, p: not _wide_b(p) or not ((p.bn + p.pad_b) * _element_size(s))
+         % (4 * _b_group(_mma_tiles(p)[1])),
+         lambda s, p: f"{_b_group(_mma_tiles(p)[1])} columns at once need shared rows of B ({p.bn}+{p.pad_b}) in "
+                      f"whole {4 * _b_group(_mma_tiles(p)[1])} bytes; use pad_b 0, 4 or 8"),
+    Rule("prefetch", lambda s, p: p.prefetch in PREFETCHES,
+         lambda s, p: f"prefetch is one of {PREFETCHES}, got {p.prefetch!r}"),
+    Rule("prefetch", lambda s, p: p.prefetch != "next" or (p.sync == "one" and p.stages >= 2),
+         lambda s, p: "fragments loaded ahead go with one barrier per tile (sync one) and 2 or more stages: the "
+                      "barrier frees the stage whose fragments every warp holds"),
+    Rule("prefetch", lambda s, p: p.prefetch != "next" or not (p.bk // _K_STEP[s.precision]) % 2,
+         lambda s, p: f"a tile of bk={p.bk} is {p.bk // _K_STEP[s.precision]} K steps; fragments loaded ahead "
+                      "alternate between two buffers, so each tile must end on the second: use an even number of "
+                      "steps"),
+    Rule("plant", lambda s, p: p.plant in PLANTED_BUGS, lambda s, p: f"unknown planted bug {p.plant!r}"),
+    Rule("shared-memory", lambda s, p: _shared_bytes(s, p) <= MAX_SHARED_BYTES,
+         lambda s, p: f"{p.stages} stages need {_shared_bytes(s, p)} bytes, over the {MAX_SHARED_BYTES} a block can "
+                      "have; use fewer stages or a smaller tile"),
+)
+
+
 class MatmulTC(TiledProduct):
     name = "matmul_tc"
     tolerance = 1e-4  # an fp32 result's, as the fp32 matmul's: fp32x3 is held to it (the rest: tolerance_of)
@@ -131,6 +270,9 @@ class MatmulTC(TiledProduct):
     run_dims: tuple[str, ...] = ()
     run_defaults: dict[str, int] = {}
     min_arch = 80  # cp.async, mma.sync with bf16 and tf32
+    peer_builder = LazyFunction("mage_gen.peers", "tensor_core_matmul_peers")
+    field_help = {"m": "rows of A and C", "n": "columns of B and C", "k": "columns of A, rows of B",
+                  "precision": "bf16, tf32 or fp32x3 (what A and B are and how the tensor cores take them)"}
 
     # ---- shapes and params ----
     def shape(self, m: Any = None, n: Any = None, k: Any = None, precision: str = "bf16") -> Shape:
@@ -172,91 +314,7 @@ class MatmulTC(TiledProduct):
         return params_dict(params, hidden=_HIDDEN)
 
     def validate(self, shape: Shape, p: Params) -> None:
-        for name in ("bm", "bn", "bk", "warps_m", "warps_n", "stages"):
-            value = getattr(p, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"tile: {name} must be a positive whole number, got {value!r}")
-        for name in ("pad_a", "pad_b"):
-            if not isinstance(getattr(p, name), int) or getattr(p, name) < 0:
-                raise ConfigError(f"pad: {name} is a whole number of elements, got {getattr(p, name)!r}")
-        step = _K_STEP[shape.precision]
-        if p.bk % step:
-            raise ConfigError(f"k-step: a {shape.precision} mma takes K in steps of {step}; bk={p.bk} must be a multiple")
-        wm, wn = p.bm // p.warps_m, p.bn // p.warps_n
-        if p.bm % p.warps_m or p.bn % p.warps_n or wm % 16 or wn % 8:
-            raise ConfigError(f"warp-tile: {p.warps_m}×{p.warps_n} warps over a {p.bm}×{p.bn} tile give each "
-                              f"{p.bm / p.warps_m:g}×{p.bn / p.warps_n:g}; it must be whole multiples of 16×8 (the "
-                              "m16n8 accumulator)")
-        if p.threads > MAX_THREADS:
-            raise ConfigError(f"threads: {p.warps_m}×{p.warps_n} warps are {p.threads} threads, over {MAX_THREADS}")
-        if not 1 <= p.stages <= 4:
-            raise ConfigError(f"stages: 1 to 4 shared-memory stages, got {p.stages}")
-        if p.sync not in SYNCS:
-            raise ConfigError(f"sync: sync is one of {SYNCS}, got {p.sync!r}")
-        if p.sync == "one" and p.stages < 2:
-            raise ConfigError("sync: one barrier per tile refills a stage while another is read, so it needs 2 or "
-                              "more stages")
-        size = _ELEMENT[shape.precision].itemsize
-        # ldmatrix wants rows that start on 16-byte boundaries (A always, B where bf16); scalar loads 4
-        align_b = 16 if shape.precision == "bf16" else 4
-        if ((p.bk + p.pad_a) * size) % 16 or ((p.bn + p.pad_b) * size) % align_b:
-            raise ConfigError(f"pad: shared-memory rows of {p.bk}+{p.pad_a} and {p.bn}+{p.pad_b} {shape.precision} "
-                              f"elements must be whole multiples of 16 and {align_b} bytes; use a pad of 0 or 8")
-        if p.copy not in COPY_WIDTHS:
-            raise ConfigError(f"copy-width: copy is the bytes of one cp.async, one of {COPY_WIDTHS}, got {p.copy!r}")
-        if (shape.k * size) % p.copy or (shape.n * size) % p.copy:
-            raise ConfigError(f"copy-width: {p.copy}-byte copies must divide the rows of A ({shape.k} elements) and "
-                              f"of B ({shape.n}), {shape.k * size} and {shape.n * size} bytes; use copy 4")
-        if ((p.bk + p.pad_a) * size) % p.copy or ((p.bn + p.pad_b) * size) % p.copy or (p.bk * size) % p.copy \
-                or (p.bn * size) % p.copy:
-            raise ConfigError(f"copy-width: {p.copy}-byte copies must divide the tile rows ({p.bk} and {p.bn} "
-                              f"elements) and the shared-memory rows (+{p.pad_a}, +{p.pad_b}); use a narrower copy")
-        for tensor, copies in self._tile_copies(shape, p).items():
-            if copies % p.threads:
-                raise ConfigError(f"tile-copy: the {tensor} tile is {copies} copies of {p.copy} bytes, not a "
-                                  f"multiple of {p.threads} threads")
-        mt, nt = wm // 16, wn // 8
-        accumulators = mt * nt * 4
-        if accumulators > _ACCUMULATORS_MAX:
-            raise ConfigError(f"registers: a {wm}×{wn} warp tile is {accumulators} accumulators a thread (at most "
-                              f"{_ACCUMULATORS_MAX}); use more warps or a smaller tile")
-        # Beyond the accumulators: the unrolled K steps' fragments, and about 4 registers for each copy a thread
-        # issues per tile (its global and shared addresses and guard). Fitted to ptxas 13.0 over 180 variants of
-        # the full preset drawn at random at 1000³, 80 of which it spilled: every one this admits compiled without
-        # spills (tests/test_matmul_tc.py holds the 64×64 warp tiles at the edge).
-        copies = sum(self._tile_copies(shape, p).values()) // p.threads
-        split = 2 if shape.precision == "fp32x3" else 1  # a high and a low part of every fragment, and C's part
-        need = split * accumulators + split * (4 * mt + 2 * nt) * (p.bk // step) + 4 * copies + 24
-        if need > (cap := register_cap(p.threads)):
-            raise ConfigError(f"registers: {split * accumulators} accumulators, {p.bk // step} unrolled K steps of fragments "
-                              f"and {copies} copies a thread need about {need} registers, over the {cap} a block of "
-                              f"{p.threads} threads leaves each; use a smaller bk, more warps or a smaller tile")
-        if p.b_loads not in B_LOADS:
-            raise ConfigError(f"b-loads: b_loads is one of {B_LOADS}, got {p.b_loads!r}")
-        if p.b_loads == "wide":
-            if shape.precision == "bf16":
-                raise ConfigError("b-loads: bf16 B fragments come by ldmatrix; wide B loads are for tf32 and fp32x3")
-            if nt < 2 or nt % _b_group(nt):
-                raise ConfigError(f"b-loads: a {wn}-wide warp tile is {nt} n-tiles; wide loads take them 2 or 4 at a "
-                                  "time; use word")
-            if ((p.bn + p.pad_b) * size) % (4 * _b_group(nt)):
-                raise ConfigError(f"b-loads: {_b_group(nt)} columns at once need shared rows of B ({p.bn}+{p.pad_b}) "
-                                  f"in whole {4 * _b_group(nt)} bytes; use pad_b 0, 4 or 8")
-        if p.prefetch not in PREFETCHES:
-            raise ConfigError(f"prefetch: prefetch is one of {PREFETCHES}, got {p.prefetch!r}")
-        if p.prefetch == "next":
-            if p.sync != "one" or p.stages < 2:
-                raise ConfigError("prefetch: fragments loaded ahead go with one barrier per tile (sync one) and 2 or "
-                                  "more stages: the barrier frees the stage whose fragments every warp holds")
-            if (p.bk // step) % 2:
-                raise ConfigError(f"prefetch: a tile of bk={p.bk} is {p.bk // step} K steps; fragments loaded ahead "
-                                  "alternate between two buffers, so each tile must end on the second: use an even "
-                                  "number of steps")
-        if p.plant not in PLANTED_BUGS:
-            raise ConfigError(f"plant: unknown planted bug {p.plant!r}")
-        if (need := self.shared_bytes(shape, p)) > MAX_SHARED_BYTES:
-            raise ConfigError(f"shared-memory: {p.stages} stages need {need} bytes, over the {MAX_SHARED_BYTES} a "
-                              "block can have; use fewer stages or a smaller tile")
+        check_rules(_RULES, shape, p)
 
     @staticmethod
     def wide_row(mt_index: int, group: int, half: int, b_group: int) -> list[str]:
@@ -266,13 +324,8 @@ class MatmulTC(TiledProduct):
         tiles = range(group * b_group, (group + 1) * b_group)
         return [f"acc[{mt_index}][{j}][{2 * half + c}]" for c in range(2) for j in tiles]
 
-    def _tile_copies(self, shape: Shape, p: Params) -> dict[str, int]:
-        per_copy = p.copy // _ELEMENT[shape.precision].itemsize
-        return {"A": p.bm * p.bk // per_copy, "B": p.bk * p.bn // per_copy}
-
     def shared_bytes(self, shape: Shape, p: Params) -> int:
-        size = _ELEMENT[shape.precision].itemsize
-        return p.stages * (p.bm * (p.bk + p.pad_a) + p.bk * (p.bn + p.pad_b)) * size
+        return _shared_bytes(shape, p)
 
     # ---- generation ----
     def kernel_name(self, shape: Shape, p: Params) -> str:
@@ -291,7 +344,7 @@ class MatmulTC(TiledProduct):
             NT=p.bn // p.warps_n // 8, KSTEP=_K_STEP[shape.precision], SA=p.bk + p.pad_a, SB=p.bn + p.pad_b,
             A_STAGE=p.bm * (p.bk + p.pad_a), B_STAGE=p.bk * (p.bn + p.pad_b), TILES=-(-shape.k // p.bk),
             COPY=p.copy, PER_COPY=p.copy // element.itemsize,
-            A_COPIES=self._tile_copies(shape, p)["A"] // p.threads, B_COPIES=self._tile_copies(shape, p)["B"] // p.threads,
+            A_COPIES=_tile_copies(shape, p)["A"] // p.threads, B_COPIES=_tile_copies(shape, p)["B"] // p.threads,
             PLANT=p.plant, SYNC=p.sync, B_GROUP=b_group, PREFETCH=p.prefetch == "next",
             # a copy's bounds checks where a tile can reach past M, N or K: a full tile's copies go unguarded, with
             # no select of address and size (which cost more instructions than the copy)

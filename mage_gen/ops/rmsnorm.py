@@ -8,12 +8,10 @@ form and the gate's tolerances are the layer norm's (mage_gen/ops/layernorm.py).
 
 from __future__ import annotations
 
-
 import numpy as np
 
-from mage_gen.errors import ConfigError
-from mage_gen.ops.base import Launch
-from mage_gen.ops.layernorm import LayerNorm, Params, Shape
+from mage_gen.ops.base import LazyFunction, Launch, Rule
+from mage_gen.ops.layernorm import LayerNorm, Params, Shape, row_norm_rules
 
 
 class RMSNorm(LayerNorm):
@@ -21,12 +19,13 @@ class RMSNorm(LayerNorm):
     norm = "rms"
     eps_meaning = "added to the mean of squares before the square root"
     eps = 1e-6  # torch.nn.RMSNorm's default is the dtype's epsilon; 1e-6 is what most models pass
-
-    def validate(self, shape: Shape, p: Params) -> None:
-        if p.stats != "two_pass":
-            raise ConfigError(f"stats: rmsnorm has one statistic, the mean of squares; leave stats at two_pass, "
-                              f"got {p.stats!r}")
-        super().validate(shape, p)
+    rules = (Rule("stats", lambda s, p: p.stats == "two_pass",
+                  lambda s, p: "rmsnorm has one statistic, the mean of squares; leave stats at two_pass, got "
+                               f"{p.stats!r}"),
+             *row_norm_rules(norm))
+    peer_builder = LazyFunction("mage_gen.peers", "row_norm_peers",
+                                (("torch_fn", "F.rms_norm"), ("triton_kernel", "triton_rmsnorm")))
+    torch_name = "mage_gen.torch.rms_norm"
 
     def kernel_name(self, shape: Shape, p: Params) -> str:
         return "rmsnorm" + super().kernel_name(shape, p).removeprefix("layernorm")
