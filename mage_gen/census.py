@@ -69,10 +69,22 @@ class Census:
     # tensor -> the widest single global access to it, in bytes (a v2.f32 store: 8; a 16-byte cp.async: 16): the
     # alignment its pointer must have (aligned_contract)
     widest_access: dict[str, int] = field(default_factory=dict)
+    # tensor -> TMA stores that read shared memory an ordinary store (st.shared, stmatrix) wrote since the last
+    # fence.proxy.async, in the PTX's order: the asynchronous proxy may read what the threads wrote before it is
+    # visible to it. A GPU need not show the race (the H200 did not, bench/NOTES.md), so it is refused from the PTX.
+    unfenced_async_reads: dict[str, int] = field(default_factory=dict)
 
     @property
     def spill_bytes(self) -> int:
         return self.spill_store_bytes + self.spill_load_bytes
+
+    def static_fault(self) -> str:
+        """Why the PTX alone shows the kernel unsafe to run, or '': what the gate refuses before any launch."""
+        if self.unfenced_async_reads:
+            stores = ", ".join(f"{count} of {tensor}" for tensor, count in self.unfenced_async_reads.items())
+            return (f"census: TMA stores ({stores}) read shared memory the threads wrote with no fence.proxy.async "
+                    "since, which the asynchronous proxy need not see")
+        return ""
 
     def passes_over(self, tensor: str) -> int:
         return len(self.load_passes.get(tensor, []))
@@ -153,6 +165,31 @@ HOPPER_OPS = (
 )
 
 
+# What orders ordinary shared-memory writes before the asynchronous proxy's reads of them, in program order: a
+# write, the fence that publishes the writes before it, and a TMA store reading shared memory (tensor tagged)
+_PROXY_EVENTS = re.compile(r"\b(?P<write>st\.shared\S*|stmatrix\S*|atom\.shared\S*|red\.shared\S*)\s"
+                           r"|\b(?P<fence>fence\.proxy\.async)\b"
+                           r"|\b(?P<store>cp\.async\.bulk\.tensor\.\d+d\.global\.shared::cta)\S*\s.*?tensor=(?P<tensor>\w+)")
+
+
+class _ProxyOrder:
+    """Follows the PTX's shared-memory writes, proxy fences and TMA stores in order (several may share an
+    inline-asm line), counting the stores with a write since the last fence."""
+
+    def __init__(self) -> None:
+        self.written = False
+        self.unfenced: Counter = Counter()
+
+    def see(self, line: str) -> None:
+        for event in _PROXY_EVENTS.finditer(line):
+            if event["write"]:
+                self.written = True
+            elif event["fence"]:
+                self.written = False
+            elif self.written:
+                self.unfenced[event["tensor"]] += 1
+
+
 def _hopper_ops(line: str, counts: Counter) -> None:
     for key, pattern in HOPPER_OPS:
         for match in pattern.finditer(line):
@@ -208,8 +245,11 @@ def take_census(compiled: Compiled) -> Census:
     loads_hinted: Counter = Counter()
     hopper: Counter = Counter()
     widest: dict[str, int] = {}
+    proxy_order = _ProxyOrder()
     for raw in compiled.ptx.splitlines():
         _hopper_ops(raw, hopper)
+        if not raw.lstrip().startswith("//"):
+            proxy_order.see(raw)
         # an inline-asm block holds several instructions on one line: conversions are counted wherever they are
         counts["half_widen"] += len(_HALF_WIDEN.findall(raw)) + 2 * len(_BF16_PAIR_WIDEN.findall(raw))
         counts["half_narrow"] += len(_HALF_NARROW.findall(raw))
@@ -274,4 +314,5 @@ def take_census(compiled: Compiled) -> Census:
         global_loads_hinted=dict(sorted(loads_hinted.items())),
         hopper=dict(sorted(hopper.items())),
         widest_access=dict(sorted(widest.items())),
+        unfenced_async_reads=dict(sorted(proxy_order.unfenced.items())),
     )

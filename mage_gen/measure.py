@@ -660,6 +660,8 @@ class Bench:
         """Gate, then time; a failure is a failed Evaluation, except a CUDA error that left the context
         unusable: that raises GpuError, so that whoever owns the process (the tuner's worker) starts a fresh
         one rather than failing every later trial in a dead context."""
+        if fault := variant.census.static_fault():  # a race the GPU need not show: refused unlaunched
+            return Evaluation(GateResult(False, fault, float("inf")))
         kernel = None
         try:
             started = time.perf_counter()

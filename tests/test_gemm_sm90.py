@@ -41,6 +41,7 @@ def test_every_quick_variant_compiles_to_the_instructions_its_params_imply():
         assert c.hopper[f"setmaxnreg.dec {p.producer_regs}"] == 1
         assert c.hopper[f"setmaxnreg.inc {consumer_regs(p)}"] == 1
         assert c.hopper["mbarrier.arrive.expect_tx"] == 1
+        assert c.unfenced_async_reads == {} and c.static_fault() == "", v.source.kernel_name
         if p.epilogue == "tma":
             assert c.hopper["tma store C"] == p.bn * 2 // 128  # one box of 128 bytes of a row per store
             assert c.hopper["fence.proxy.async"] == 1 and c.hopper["stmatrix x4"] == slabs * p.bn // 16
@@ -132,6 +133,43 @@ def test_a_cluster_pairs_tiles_of_one_column_and_its_grid_is_whole_clusters():
     assert OP.geometry(shape, p, {}).grid == (130, 1, 1)
     text = OP.source(shape, p).text
     assert "__cluster_dims__(2, 1, 1)" in text and "row < 1152" in text
+
+
+@pytest.mark.parametrize("c_dtype", ["bf16", "fp32"])
+def test_a_tma_store_without_the_proxy_fence_is_a_fault_the_census_finds_in_the_ptx(c_dtype):
+    shape = OP.shape(m=512, n=512, k=512, c_dtype=c_dtype)
+    p = OP.params_from_dict({"epilogue": "tma"})
+    clean = build(OP, shape, p, "sm_90").census
+    bugged = build(OP, shape, dataclasses.replace(p, plant="proxy_fence"), "sm_90").census
+    stores = clean.hopper["tma store C"]
+    assert clean.unfenced_async_reads == {} and clean.static_fault() == ""
+    assert bugged.unfenced_async_reads == {"C": stores}
+    assert bugged.static_fault().startswith(f"census: TMA stores ({stores} of C) read shared memory")
+
+
+@pytest.mark.parametrize("lines, unfenced", [
+    (["st.shared.v2.f32 [%r1], {%f1, %f2}; // tensor=C", "fence.proxy.async.shared::cta;",
+      "cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [%rd4, {%r2, %r3}], [%r6]; // tensor=C"], {}),
+    (["stmatrix.sync.aligned.m8n8.x4.shared.b16 [%r10], {%r1, %r2, %r3, %r4}; // tensor=C",
+      "cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [%rd4, {%r2, %r3}], [%r6]; // tensor=C"], {"C": 1}),
+    # one inline-asm line: the order within it counts
+    (["fence.proxy.async.shared::cta; st.shared.u32 [%r1], %r2; "
+      "cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [%rd4, {%r2, %r3}], [%r6]; // tensor=D"], {"D": 1}),
+    (["st.shared.u32 [%r1], %r2; fence.proxy.async.shared::cta; "
+      "cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [%rd4, {%r2, %r3}], [%r6]; // tensor=D"], {}),
+    # a TMA load writes shared memory through the proxy itself, and a comment is no instruction
+    (["cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%r1], [%rd1, {%r2, %r3}], "
+      "[%r4]; // tensor=A", "// st.shared.u32 [%r1], %r2;",
+      "cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [%rd4, {%r2, %r3}], [%r6]; // tensor=C"], {}),
+])
+def test_the_census_follows_writes_fences_and_tma_stores_in_program_order(lines, unfenced):
+    from mage_gen.census import _ProxyOrder
+
+    order = _ProxyOrder()
+    for line in lines:
+        if not line.lstrip().startswith("//"):
+            order.see(line)
+    assert dict(order.unfenced) == unfenced
 
 
 @pytest.mark.parametrize("plant, planted", [

@@ -77,6 +77,22 @@ def test_the_gate_rejects_a_wrong_descriptor(device, stream, plant):
     assert not result.passed and "relative error" in result.reason, result.reason
 
 
+def test_a_missing_proxy_fence_is_refused_before_it_is_launched_and_the_next_trial_runs(device):
+    """The H200 runs the kernel without the fence correctly (bench/NOTES.md, Hopper GEMM §3): the tuner's trial
+    refuses it from its PTX, unlaunched, and goes on."""
+    shape = OP.shape(m=1024, n=1032, k=1040)
+    try:
+        backend = gpu_backend(OP.name, shape, {}, 0)
+    except NoGpuError as exc:
+        pytest.skip(str(exc))
+    values = {"epilogue": "tma", "grid": device.sms}
+    bugged = backend.evaluate(build(OP, shape, OP.params_from_dict({**values, "plant": "proxy_fence"}), device.arch))
+    assert not bugged.gate.passed and bugged.hot is None
+    assert "no fence.proxy.async" in bugged.gate.reason and not bugged.gate.fault, bugged.gate.reason
+    clean = backend.evaluate(build(OP, shape, OP.params_from_dict(values), device.arch))
+    assert clean.gate.passed and clean.hot is not None, clean.gate.reason
+
+
 def test_a_wait_on_the_wrong_phase_is_a_hang_and_the_next_trial_runs(device):
     shape = OP.shape(m=1024, n=1024, k=1024)
     try:
