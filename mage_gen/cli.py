@@ -173,7 +173,7 @@ def _config_value(raw: str) -> int | bool | str:
 
 def _launch_dict(op: Op, shape: Any, params: Any, run: dict[str, int]) -> dict[str, Any]:
     launch = op.geometry(shape, params, run)
-    return {"run": run, "grid": list(launch.grid), "block": list(launch.block),
+    return {"run": run, "grid": list(launch.grid), "block": list(launch.block), "cluster": list(launch.cluster),
             "dynamic_shared_bytes": launch.dynamic_shared_bytes,
             "static_shared_bytes": launch.static_shared_bytes}
 
@@ -270,7 +270,8 @@ def inspect(
     table.add_column()
     rows = [
         ("grid × block", f"{launch.grid[0]}×{launch.grid[1]}×{launch.grid[2]} × {launch.threads} threads"
-                         + (f" ({', '.join(f'{k}={v}' for k, v in run.items())})" if run else "")),
+                         + (f" ({', '.join(f'{k}={v}' for k, v in run.items())})" if run else "")
+                         + (f", clusters of {'×'.join(map(str, launch.cluster))}" if launch.clustered else "")),
         ("registers / shared", f"{c.registers} / {c.shared_bytes} B static + {launch.dynamic_shared_bytes} B dynamic"),
         ("stack / spills", f"{c.stack_bytes} B / {c.spill_bytes} B"),
     ]

@@ -146,10 +146,13 @@ def _c_header(op: Op, shape: Any, variant: Variant, stem: str, provenance: list[
     # The formula's grid is C already, except for min(), which C++ has only in <algorithm>.
     grid = [re.sub(r"\bmin\(", f"{stem}_min(", str(size)) for size in launch["grid"]]
     shared = launch["dynamic_shared_bytes"]
+    # a cluster of more than one CTA is launched with cuLaunchKernelEx and its cluster dimension attribute
+    cluster = list(launch["cluster"]) if launch["cluster"] != [1, 1, 1] else None
     return environment().get_template("emit/launch.h.j2").render(
         stem=stem, kernel=variant.source.kernel_name, arch=variant.compiled.arch, provenance=provenance,
         contract=contract, args=[(a.name, _c_type(a)) for a in op.args(shape)], grid=grid, block=launch["block"],
-        shared_bytes=shared, opt_in=_needs_opt_in(shared, variant.census.shared_bytes), uses_min=any(f"{stem}_min(" in g for g in grid),
+        cluster=cluster, shared_bytes=shared, opt_in=_needs_opt_in(shared, variant.census.shared_bytes),
+        uses_min=any(f"{stem}_min(" in g for g in grid),
         maps={name: _c_tensor_map(spec) for name, spec in tensor_maps(op, shape, variant.params).items()})
 
 
@@ -181,7 +184,9 @@ def _header(op: Op, shape: Any, variant: Variant, provenance: dict[str, Any] | N
         ("mage-gen", mage_gen.__version__),
         ("NVRTC", nvrtc_version()),
         ("launch", f"grid ({', '.join(map(str, launch['grid']))}), block ({', '.join(map(str, launch['block']))}), "
-                   f"{launch['dynamic_shared_bytes']} B dynamic shared memory"),
+                   + (f"clusters of ({', '.join(map(str, launch['cluster']))}) CTAs, "
+                      if launch["cluster"] != [1, 1, 1] else "")
+                   + f"{launch['dynamic_shared_bytes']} B dynamic shared memory"),
         ("args", ", ".join(f"{_c_type(a)} {a.name}" for a in op.args(shape))),
     ]
     rows += _timing_rows(provenance) if provenance else [("timings", "none: not from a tuned/ entry")]

@@ -16,6 +16,7 @@ from cuda.bindings import driver as cu
 from mage_gen.errors import GpuError, NoGpuError
 
 NAN_BITS = 0x7FC00000  # the float32 quiet NaN that poisons outputs before a launch
+NO_CLUSTER = (1, 1, 1)  # a launch's cluster dimension where it has no cluster: launched with plain cuLaunchKernel
 
 
 def check(result: Any, call: str) -> Any:
@@ -113,9 +114,16 @@ class Kernel:
                 carveout), f"cuFuncSetAttribute({name}, shared memory carveout)")
 
     def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], shared: int,
-               args: KernelArgs, stream: Any = 0) -> None:
-        check(cu.cuLaunchKernel(self.function, *grid, *block, shared, stream, args.address, 0),
-               f"cuLaunchKernel({self.name})")
+               args: KernelArgs, stream: Any = 0, cluster: tuple[int, int, int] = NO_CLUSTER) -> None:
+        """cluster: CTAs per thread-block cluster (ops.base.Launch.cluster). A kernel compiles no cluster shape in:
+        one of more than one CTA is launched with cuLaunchKernelEx and its cluster dimension attribute, others
+        with cuLaunchKernel. Both are captured into a CUDA graph alike."""
+        if tuple(cluster) == NO_CLUSTER:
+            check(cu.cuLaunchKernel(self.function, *grid, *block, shared, stream, args.address, 0),
+                  f"cuLaunchKernel({self.name})")
+        else:
+            check(cu.cuLaunchKernelEx(launch_config(grid, block, shared, stream, cluster), self.function,
+                                      args.address, 0), f"cuLaunchKernelEx({self.name}, cluster {tuple(cluster)})")
 
     def unload(self) -> None:
         if self.module is not None:
@@ -123,14 +131,28 @@ class Kernel:
             self.module = None
 
 
-def max_active_clusters(kernel: Kernel, block: tuple[int, int, int], shared: int, cluster: int) -> int:
-    """How many clusters of `cluster` CTAs of this kernel (its cluster shape compiled in) the device runs at once: a
-    persistent grid of more waits for a second wave. The driver's answer: which SMs a GPC can pair decides it."""
+def launch_config(grid: tuple[int, int, int], block: tuple[int, int, int], shared: int, stream: Any,
+                  cluster: tuple[int, int, int]) -> Any:
+    """cuLaunchKernelEx's CUlaunchConfig: the grid, block, dynamic shared memory and stream, and one attribute,
+    CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, the cluster's CTAs along x, y and z (the grid a multiple of it)."""
     config = cu.CUlaunchConfig()
-    config.gridDimX, config.gridDimY, config.gridDimZ = cluster, 1, 1
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid
     config.blockDimX, config.blockDimY, config.blockDimZ = block
     config.sharedMemBytes = shared
-    config.numAttrs = 0
+    config.hStream = stream
+    attribute = cu.CUlaunchAttribute()
+    attribute.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attribute.value.clusterDim.x, attribute.value.clusterDim.y, attribute.value.clusterDim.z = cluster
+    config.attrs = [attribute]  # copied into the config's own array
+    config.numAttrs = 1
+    return config
+
+
+def max_active_clusters(kernel: Kernel, block: tuple[int, int, int], shared: int, cluster: int) -> int:
+    """How many clusters of `cluster` CTAs (along x) of this kernel the device runs at once: a persistent grid of
+    more waits for a second wave. The driver's answer: which SMs a GPC can pair decides it. The cluster shape is
+    given as a launch gives it (no kernel compiles one in)."""
+    config = launch_config((cluster, 1, 1), block, shared, 0, (cluster, 1, 1))
     return int(check(cu.cuOccupancyMaxActiveClusters(kernel.function, config),
                       f"cuOccupancyMaxActiveClusters({kernel.name})"))
 
@@ -139,13 +161,18 @@ class FixedLaunch:
     """One kernel at a fixed grid, block and shared memory, launched with new argument values each time at
     the least cost Python allows: the values are packed into one reused buffer and libcuda's cuLaunchKernel is
     called through ctypes without per-argument conversion. For a runtime launching a kernel of a few
-    microseconds per model step, the binding's own call and ctypes objects per value cost more than that."""
+    microseconds per model step, the binding's own call and ctypes objects per value cost more than that.
+    A clustered kernel (cluster other than (1, 1, 1)) goes through the binding's cuLaunchKernelEx instead, with the
+    same packed values and a launch config made once per stream: correct, at the binding's cost per call."""
 
     _FORMATS = {"ptr": "Q", "i32": "i", "i64": "q", "f32": "f"}
 
     def __init__(self, kernel: Kernel, grid: tuple[int, int, int], block: tuple[int, int, int], shared: int,
-                 kinds: Sequence[str]):
+                 kinds: Sequence[str], cluster: tuple[int, int, int] = NO_CLUSTER):
         self.kernel = kernel
+        self._geometry = (tuple(grid), tuple(block), shared)
+        self._cluster = None if tuple(cluster) == NO_CLUSTER else tuple(cluster)
+        self._config: Any = None  # the clustered launch's config, for the stream last launched on
         layout = struct.Struct("@" + "".join(self._FORMATS[kind] for kind in kinds))  # C struct alignment
         self._pack = layout.pack_into
         self._buffer = ctypes.create_string_buffer(max(layout.size, 1))
@@ -163,6 +190,13 @@ class FixedLaunch:
     def launch(self, values: Sequence[int | float], stream: int) -> None:
         """Not thread-safe: the value buffer and the stream last launched on are shared (the caller serialises)."""
         self._pack(self._buffer, 0, *values)
+        if self._cluster is not None:
+            if stream != self._stream or self._config is None:
+                self._config = launch_config(*self._geometry, stream, self._cluster)
+                self._stream = stream
+            check(cu.cuLaunchKernelEx(self._config, self.kernel.function, ctypes.addressof(self._pointers), 0),
+                  f"cuLaunchKernelEx({self.kernel.name}, cluster {self._cluster})")
+            return
         if stream != self._stream:  # a model launches on one stream: its pointer object is made once, not per call
             self._arguments = (*self._fixed, ctypes.c_void_p(stream), self._params, None)
             self._stream = stream

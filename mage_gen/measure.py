@@ -119,7 +119,7 @@ class Bound:
 
     def enqueue(self, stream_handle: Any) -> None:
         g = self.launch_geometry
-        self.kernel.launch(g.grid, g.block, g.dynamic_shared_bytes, self.args, stream_handle)
+        self.kernel.launch(g.grid, g.block, g.dynamic_shared_bytes, self.args, stream_handle, g.cluster)
 
     def _bits(self, name: str) -> tuple[type, int]:
         size = self.output_dtypes[name].itemsize

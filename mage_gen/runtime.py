@@ -52,7 +52,8 @@ class Prepared:
         self._pointer_count = len(pointers)
         self._alignment_mask = max(self._alignments.values(), default=1) - 1  # alignments are powers of two
         kinds = ["ptr" if a.kind in ("in", "out") else a.kind for a in op.args(shape)]
-        self._launch = gpu.FixedLaunch(kernel, geometry.grid, geometry.block, geometry.dynamic_shared_bytes, kinds)
+        self._launch = gpu.FixedLaunch(kernel, geometry.grid, geometry.block, geometry.dynamic_shared_bytes, kinds,
+                                       geometry.cluster)
         self._lock = threading.Lock()  # the argument values are shared by every thread launching this kernel
 
     def launch(self, values: Sequence[int | float], stream: int) -> None:

@@ -85,7 +85,8 @@ def test_launch_json_round_trips(tmp_path, synthetic_entry):
     emit(OP, OP.shape(d=1024), params, "sm_80", tmp_path, entry)
     doc = json.loads((tmp_path / "layernorm_d1024.launch.json").read_text())
     assert doc["kernel"] == "layernorm_multirow_d1024_t32_v4_r4_approx_nc" and doc["arch"] == "sm_80"
-    assert doc["launch"] == {"grid": ["(M + 3) / 4", 1, 1], "block": [128, 1, 1], "dynamic_shared_bytes": 0}
+    assert doc["launch"] == {"grid": ["(M + 3) / 4", 1, 1], "block": [128, 1, 1], "cluster": [1, 1, 1],
+                             "dynamic_shared_bytes": 0}
     assert [(a["name"], a["type"]) for a in doc["args"]] == [(a.name, C_TYPES[a.kind]) for a in OP.args(OP.shape(d=1024))]
     assert OP.params_from_dict(doc["params"]) == params
     assert OP.shape(**doc["shape"]) == OP.shape(d=1024)
@@ -308,6 +309,141 @@ def test_header_compiles_links_and_launches_as_the_formula_says(tmp_path):
     assert got["matmul"] == ["set_attribute 0x1000 8 133120",
                              "launch 0x1000 grid 8 8 1 block 256 1 1 shared 133120 stream 0x2000 arg0 0x100000 "
                              "extra (nil)", "result 0"]
+
+
+GEMM = get_op("gemm_sm90")
+GEMM_SHAPE = GEMM.shape(m=1025, n=1032, k=1041, c_dtype="fp32")
+
+
+@pytest.mark.parametrize("cluster", [1, 2])
+def test_launch_json_and_the_header_carry_a_gemms_cluster(tmp_path, cluster):
+    params = GEMM.params_from_dict({"bn": 128, "stages": 4, "epilogue": "tma", "grid": 132, "cluster": cluster})
+    emit(GEMM, GEMM_SHAPE, params, "sm_90", tmp_path, None, stem="gemm")
+    launch = json.loads((tmp_path / "gemm.launch.json").read_text())["launch"]
+    geometry = GEMM.geometry(GEMM_SHAPE, params, {})
+    assert launch == {"grid": list(geometry.grid), "block": [384, 1, 1], "cluster": [cluster, 1, 1],
+                      "dynamic_shared_bytes": geometry.dynamic_shared_bytes}
+    assert launch["grid"][0] % cluster == 0
+    header = (tmp_path / "gemm.h").read_text()
+    source = (tmp_path / "gemm.cu").read_text()
+    assert "__cluster_dims__" not in source
+    if cluster == 1:
+        assert "cuLaunchKernelEx" not in header and "return cuLaunchKernel(f," in header
+        assert "clusters of" not in source.split("\n\n", 1)[0]
+    else:
+        assert "return cuLaunchKernelEx(&config, f, params, NULL);" in header and "cuLaunchKernel(f," not in header
+        assert "cluster.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;" in header
+        assert "clusters of (2, 1, 1) CTAs" in " ".join(source.split("\n\n", 1)[0].split())
+
+
+# A libcuda.so of what a GEMM's header calls, each printing what it was given
+STUB_GEMM_LIBCUDA = r"""
+#include <cuda.h>
+#include <stdio.h>
+
+CUresult CUDAAPI cuFuncSetAttribute(CUfunction f, CUfunction_attribute attrib, int value)
+{
+    printf("set_attribute %p %d %d\n", (void*)f, (int)attrib, value);
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuTensorMapEncodeTiled(CUtensorMap* map, CUtensorMapDataType type, cuuint32_t rank, void* address,
+    const cuuint64_t* dims, const cuuint64_t* strides, const cuuint32_t* box, const cuuint32_t* element_strides,
+    CUtensorMapInterleave interleave, CUtensorMapSwizzle swizzle, CUtensorMapL2promotion promotion,
+    CUtensorMapFloatOOBfill fill)
+{
+    (void)strides; (void)element_strides; (void)interleave; (void)promotion; (void)fill;
+    printf("encode %p type %d rank %u dims %llu %llu box %u %u swizzle %d\n", address, (int)type, rank,
+           (unsigned long long)dims[0], (unsigned long long)dims[1], box[0], box[1], (int)swizzle);
+    map->opaque[0] = (cuuint64_t)address;  // the map's first word: where it maps
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
+                                unsigned int by, unsigned int bz, unsigned int shared, CUstream stream,
+                                void** params, void** extra)
+{
+    printf("launch %p grid %u %u %u block %u %u %u shared %u stream %p arg0 %p map0 %p extra %p\n", (void*)f, gx, gy,
+           gz, bx, by, bz, shared, (void*)stream, *(void**)params[0], (void*)((CUtensorMap*)params[3])->opaque[0],
+           (void*)extra);
+    return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuLaunchKernelEx(const CUlaunchConfig* config, CUfunction f, void** params, void** extra)
+{
+    printf("launch_ex %p grid %u %u %u block %u %u %u shared %u stream %p arg0 %p map0 %p extra %p\n", (void*)f,
+           config->gridDimX, config->gridDimY, config->gridDimZ, config->blockDimX, config->blockDimY,
+           config->blockDimZ, config->sharedMemBytes, (void*)config->hStream, *(void**)params[0],
+           (void*)((CUtensorMap*)params[3])->opaque[0], (void*)extra);
+    for (unsigned i = 0; i < config->numAttrs; ++i)
+        printf("attribute %d cluster %u %u %u\n", (int)config->attrs[i].id, config->attrs[i].value.clusterDim.x,
+               config->attrs[i].value.clusterDim.y, config->attrs[i].value.clusterDim.z);
+    return CUDA_SUCCESS;
+}
+"""
+
+GEMM_CALLER = r"""
+#include <stdio.h>
+#include "gemm_x1.h"
+#include "gemm_x2.h"
+
+#define CALL(label, expr) do { printf("call %s\n", label); printf("result %d\n", (int)(expr)); } while (0)
+
+int main()
+{
+    CUfunction f = (CUfunction)0x1000;
+    CUstream s = (CUstream)0x2000;
+    float* c = (float*)0x100000;
+    const unsigned short* a = (const unsigned short*)0x200000;
+    const unsigned short* b = (const unsigned short*)0x300000;
+    CALL("x1", gemm_x1_launch(f, c, a, b, s));
+    CALL("x2", gemm_x2_launch(f, c, a, b, s));
+    CALL("misaligned", gemm_x2_launch(f, c + 1, a, b, s));
+    return 0;
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+def test_a_gemm_header_launches_a_cluster_with_cuLaunchKernelEx_and_its_cluster_attribute(tmp_path):
+    geometry = {}
+    for cluster in (1, 2):
+        params = GEMM.params_from_dict({"bn": 128, "stages": 4, "epilogue": "tma", "grid": 132, "cluster": cluster})
+        emit(GEMM, GEMM_SHAPE, params, "sm_90", tmp_path, None, stem=f"gemm_x{cluster}")
+        geometry[cluster] = GEMM.geometry(GEMM_SHAPE, params, {})
+    (tmp_path / "stub.c").write_text(STUB_GEMM_LIBCUDA)
+    (tmp_path / "main.cpp").write_text(GEMM_CALLER)
+    run_checked(["nvcc", "-shared", "-Xcompiler", "-fPIC", str(tmp_path / "stub.c"),
+                 "-o", str(tmp_path / "libcuda.so")])
+    # host code only, no CUDA runtime: the header needs cuda.h and libcuda and nothing else
+    run_checked(["nvcc", "-cudart", "none", "-Xcompiler", "-Wall,-Wextra,-Werror", str(tmp_path / "main.cpp"),
+                 "-I", str(tmp_path), "-L", str(tmp_path), "-lcuda", "-o", str(tmp_path / "main")])
+    got = calls(run_checked([str(tmp_path / "main")], env={**os.environ, "LD_LIBRARY_PATH": str(tmp_path)}))
+    shared = geometry[1].dynamic_shared_bytes
+    assert geometry[2].dynamic_shared_bytes == shared
+    opt_in = f"set_attribute 0x1000 8 {shared}"  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+
+    def launched(kind: str, cluster: int) -> str:
+        grid = " ".join(map(str, geometry[cluster].grid))
+        return (f"{kind} 0x1000 grid {grid} block 384 1 1 shared {shared} stream 0x2000 arg0 0x100000 map0 0x200000 "
+                "extra (nil)")
+
+    from cuda.bindings import driver as cu  # the driver's enum values, as cuda.h numbers them
+
+    bf16, fp32 = (int(getattr(cu.CUtensorMapDataType, f"CU_TENSOR_MAP_DATA_TYPE_{t}")) for t in ("BFLOAT16", "FLOAT32"))
+    swizzle = int(cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B)
+    cluster_dimension = int(cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)
+
+    def encodes(b_box: int) -> list[str]:  # A, B, C; a cluster of 2 copies half the B tile in each CTA
+        return [f"encode 0x200000 type {bf16} rank 2 dims 1041 1025 box 64 128 swizzle {swizzle}",
+                f"encode 0x300000 type {bf16} rank 2 dims 1041 1032 box 64 {b_box} swizzle {swizzle}",
+                f"encode 0x100000 type {fp32} rank 2 dims 1032 1025 box 32 64 swizzle {swizzle}"]
+
+    assert got["x1"] == [opt_in, *encodes(128), launched("launch", 1), "result 0"]
+    assert got["x2"] == [opt_in, *encodes(64), launched("launch_ex", 2),
+                         f"attribute {cluster_dimension} cluster 2 1 1", "result 0"]
+    assert geometry[2].grid[0] % 2 == 0 and geometry[2].cluster == (2, 1, 1)
+    assert got["misaligned"] == ["result 1"]  # CUDA_ERROR_INVALID_VALUE, nothing launched
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")

@@ -132,7 +132,26 @@ def test_a_cluster_pairs_tiles_of_one_column_and_its_grid_is_whole_clusters():
     p = OP.params_from_dict({"cluster": 2, "grid": 131})
     assert OP.geometry(shape, p, {}).grid == (130, 1, 1)
     text = OP.source(shape, p).text
-    assert "__cluster_dims__(2, 1, 1)" in text and "row < 1152" in text
+    assert "row < 1152" in text
+
+
+@pytest.mark.parametrize("values", [{"cluster": 2}, {"cluster": 2, "multicast": "a"},
+                                    {"cluster": 2, "epilogue": "direct", "schedule": "pingpong"}])
+def test_a_clusters_shape_is_set_by_its_launch_alone_and_compiles_in_nothing(values):
+    shape = OP.shape(m=1024, n=1032, k=1040)
+    p = OP.params_from_dict(values)
+    launch = OP.geometry(shape, p, {})
+    assert launch.cluster == (2, 1, 1) and launch.clustered and launch.grid[0] % 2 == 0
+    assert OP.launch_formula(shape, p)["cluster"] == [2, 1, 1]
+    variant = build(OP, shape, p, "sm_90")
+    assert variant.compiled.arch == "sm_90a" and "__cluster_dims__" not in variant.source.text
+    # no cluster shape in the PTX either: a launch without the attribute would not be made clustered by the kernel
+    directives = [line.strip() for line in variant.compiled.ptx.splitlines() if line.strip().startswith(".")]
+    assert not [d for d in directives if "cluster" in d], directives
+    assert variant.census.hopper["cluster barrier"] == 2 and variant.census.hopper["cluster rank"] == 1
+    assert "_x2" in variant.source.kernel_name  # the name still says it
+    single = OP.geometry(shape, OP.params_from_dict({}), {})
+    assert single.cluster == (1, 1, 1) and not single.clustered
 
 
 @pytest.mark.parametrize("c_dtype", ["bf16", "fp32"])

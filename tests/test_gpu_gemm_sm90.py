@@ -68,6 +68,44 @@ def test_drawn_configs_match_the_float64_reference(device, stream, data):
     assert result.passed, f"{params.label()} at {shape}: {result.reason}"
 
 
+CLUSTERED = [{"cluster": 2}, {"cluster": 2, "multicast": "a"}, {"cluster": 2, "epilogue": "tma"},
+             {"cluster": 2, "multicast": "a", "schedule": "pingpong", "epilogue": "tma"}]
+
+
+@pytest.mark.parametrize("values", CLUSTERED, ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()))
+@pytest.mark.parametrize("m, n, k", TAILS)
+def test_a_cluster_of_two_launched_with_its_cluster_attribute_passes_the_gate(device, stream, values, m, n, k):
+    """No cluster shape is compiled in: gpu.Kernel.launch gives it (cuLaunchKernelEx) from the op's Launch."""
+    params = OP.params_from_dict({"bm": 128, "bn": 128, "grid": device.sms, **values})
+    shape = OP.shape(m=m, n=n, k=k)
+    assert OP.geometry(shape, params, {}).cluster == (2, 1, 1)
+    assert "__cluster_dims__" not in build(OP, shape, params, device.arch).source.text
+    result = gate_on_gpu(OP, device, stream, shape, params)
+    assert result.passed, f"{params.label()} at {shape}: {result.reason}"
+
+
+def test_a_cluster_is_timed_through_a_captured_graph_and_the_driver_sizes_its_clusters(device):
+    """The hot timing replays a CUDA graph captured from cuLaunchKernelEx launches; the occupancy query is given
+    the cluster shape as a launch gives it."""
+    from mage_gen import gpu
+    from mage_gen.measure import Bench
+
+    shape = OP.shape(m=4096, n=4096, k=4096)
+    params = OP.params_from_dict({"bm": 128, "bn": 256, "stages": 3, "grid": device.sms, "cluster": 2})
+    variant = build(OP, shape, params, device.arch)
+    bench = Bench(OP, shape, {}, seed=1)
+    launch = OP.geometry(shape, params, {})
+    kernel = bench.load(variant)
+    try:
+        clusters = gpu.max_active_clusters(kernel, launch.block, launch.dynamic_shared_bytes, 2)
+    finally:
+        kernel.unload()
+    assert 0 < clusters <= device.sms // 2
+    evaluation = bench.evaluate(variant, hot_replays=3, cold_count=3)
+    assert evaluation.gate.passed, evaluation.gate.reason
+    assert evaluation.hot is not None and evaluation.hot.median_us > 0
+
+
 @pytest.mark.parametrize("plant", ["swizzle", "sbo"])
 def test_the_gate_rejects_a_wrong_descriptor(device, stream, plant):
     shape = OP.shape(m=1024, n=1032, k=1040)
@@ -164,13 +202,15 @@ int main(int argc, char** argv)
 """
 
 
-@pytest.mark.parametrize("epilogue, n", [("tma", 1032), ("direct", 1033)])
-def test_a_cpp_program_from_the_emitted_header_and_cubin_alone_computes_c(device, tmp_path, epilogue, n):
+@pytest.mark.parametrize("epilogue, n, cluster", [("tma", 1032, 1), ("direct", 1033, 1), ("tma", 1032, 2)])
+def test_a_cpp_program_from_the_emitted_header_and_cubin_alone_computes_c(device, tmp_path, epilogue, n, cluster):
+    """cluster 2: the header launches with cuLaunchKernelEx and its cluster dimension attribute."""
     compiler = shutil.which("nvcc") or shutil.which("/usr/local/cuda/bin/nvcc")
     if compiler is None:
         pytest.skip("no nvcc to build the C++ program with")
     shape = OP.shape(m=1025, n=n, k=1041, c_dtype="fp32")
-    params = OP.params_from_dict({"bn": 128, "stages": 4, "epilogue": epilogue, "grid": device.sms})
+    params = OP.params_from_dict({"bn": 128, "stages": 4, "epilogue": epilogue, "grid": device.sms,
+                                  "cluster": cluster})
     stem = "gemm"
     emit(OP, shape, params, device.arch, tmp_path, None, stem=stem)
     program = HOST_PROGRAM.replace("STEM", stem).replace("MM", str(shape.m)).replace("NN", str(shape.n)) \

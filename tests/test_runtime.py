@@ -256,6 +256,81 @@ def test_a_fixed_launch_packs_each_value_where_its_parameter_pointer_points(stub
         assert stub.stream() == stream
 
 
+def _cluster_of(config) -> tuple:
+    """What a CUlaunchConfig says: grid, block, shared memory, stream, and each attribute's id and cluster shape."""
+    return ((config.gridDimX, config.gridDimY, config.gridDimZ), (config.blockDimX, config.blockDimY, config.blockDimZ),
+            config.sharedMemBytes, int(config.hStream),
+            [(a.id, (a.value.clusterDim.x, a.value.clusterDim.y, a.value.clusterDim.z))
+             for a in config.attrs[:config.numAttrs]])
+
+
+def test_a_launch_config_carries_the_cluster_dimension():
+    from cuda.bindings import driver as cu
+
+    from mage_gen import gpu
+
+    config = gpu.launch_config((90, 1, 1), (384, 1, 1), 197696, 7, (2, 1, 1))
+    assert _cluster_of(config) == ((90, 1, 1), (384, 1, 1), 197696, 7,
+                                   [(cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, (2, 1, 1))])
+
+
+@pytest.fixture
+def launch_ex(monkeypatch):
+    """A stand-in for the binding's cuLaunchKernelEx that records what it was given."""
+    from cuda.bindings import driver as cu
+
+    from mage_gen import gpu
+
+    seen = []
+
+    def record(config, function, params, extra):
+        seen.append((_cluster_of(config), function, params, extra))
+        return (cu.CUresult.CUDA_SUCCESS,)
+
+    monkeypatch.setattr(gpu.cu, "cuLaunchKernelEx", record)
+    return seen
+
+
+def test_a_clustered_fixed_launch_goes_through_cuLaunchKernelEx_with_its_cluster(stub_driver, launch_ex):
+    import ctypes
+
+    from cuda.bindings import driver as cu
+
+    from mage_gen import gpu
+
+    launch = gpu.FixedLaunch(_Loaded(), (90, 1, 1), (384, 1, 1), 4096, ["ptr", "i32"], cluster=(2, 1, 1))
+    for stream in (7, 7, 9):
+        launch.launch((0xDEAD0000BEEF, -3), stream)
+    assert stub_driver.count() == 0  # never the plain cuLaunchKernel
+    cluster = [(cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, (2, 1, 1))]
+    assert [seen[0] for seen in launch_ex] == [((90, 1, 1), (384, 1, 1), 4096, s, cluster) for s in (7, 7, 9)]
+    config, function, params, extra = launch_ex[-1]
+    assert function == 1234 and extra == 0
+    values = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))  # the packed values, as the fast path packs them
+    assert ctypes.cast(values[0], ctypes.POINTER(ctypes.c_uint64)).contents.value == 0xDEAD0000BEEF
+    assert ctypes.cast(values[1], ctypes.POINTER(ctypes.c_int32)).contents.value == -3
+    single = gpu.FixedLaunch(_Loaded(), (90, 1, 1), (384, 1, 1), 4096, ["ptr", "i32"], cluster=(1, 1, 1))
+    single.launch((0xDEAD0000BEEF, -3), 7)
+    assert stub_driver.count() == 1 and len(launch_ex) == 3
+
+
+def test_a_kernel_with_a_cluster_is_launched_with_its_attribute_and_one_without_plainly(launch_ex, monkeypatch):
+    from cuda.bindings import driver as cu
+
+    from mage_gen import gpu
+
+    plain = []
+    monkeypatch.setattr(gpu.cu, "cuLaunchKernel", lambda *args: plain.append(args) or (cu.CUresult.CUDA_SUCCESS,))
+    kernel = object.__new__(gpu.Kernel)  # no GPU here: a loaded kernel's handle and name are all a launch reads
+    kernel.function, kernel.name = 1234, "k"
+    args = gpu.KernelArgs([("ptr", 16), ("i32", 3)])
+    kernel.launch((90, 1, 1), (384, 1, 1), 4096, args, 5, (2, 1, 1))
+    kernel.launch((81, 1, 1), (384, 1, 1), 4096, args, 5)
+    cluster = [(cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, (2, 1, 1))]
+    assert [seen[:3] for seen in launch_ex] == [(((90, 1, 1), (384, 1, 1), 4096, 5, cluster), 1234, args.address)]
+    assert plain == [(1234, 81, 1, 1, 384, 1, 1, 4096, 5, args.address, 0)]
+
+
 def test_each_address_is_held_to_its_own_alignment_not_the_strictest(stub_driver):
     # matmul 512³'s default config reads A four bytes at a time and B, C sixteen
     mm = get_op("matmul")

@@ -78,10 +78,17 @@ class Launch:
     block: tuple[int, int, int]
     dynamic_shared_bytes: int
     static_shared_bytes: int  # what ptxas must report; the census test holds the template to it
+    # CTAs per thread-block cluster along x, y, z: set at launch alone (cuLaunchKernelEx's cluster dimension
+    # attribute), never compiled in with __cluster_dims__; the grid is a multiple of it. (1, 1, 1): no cluster.
+    cluster: tuple[int, int, int] = (1, 1, 1)
 
     @property
     def threads(self) -> int:
         return self.block[0] * self.block[1] * self.block[2]
+
+    @property
+    def clustered(self) -> bool:
+        return self.cluster != (1, 1, 1)
 
 
 @dataclass(frozen=True)
@@ -148,7 +155,7 @@ class TiledProduct(OpFamily):
 
     def launch_formula(self, shape: Any, p: Any) -> dict[str, Any]:
         launch = self.geometry(shape, p, {})
-        return {"grid": list(launch.grid), "block": list(launch.block),
+        return {"grid": list(launch.grid), "block": list(launch.block), "cluster": list(launch.cluster),
                 "dynamic_shared_bytes": launch.dynamic_shared_bytes}
 
     def check_run(self, run: dict[str, int]) -> None:

@@ -327,11 +327,11 @@ class GemmSm90(OpFamily):
     def geometry(self, shape: Shape, p: Params, run: dict[str, int]) -> Launch:
         units = int(np.prod(_units(shape, p)))  # a cluster's CTAs take a unit together
         return Launch(grid=(min(p.grid // p.cluster or units, units) * p.cluster, 1, 1), block=(p.threads, 1, 1),
-                      dynamic_shared_bytes=_shared_bytes(shape, p), static_shared_bytes=0)
+                      dynamic_shared_bytes=_shared_bytes(shape, p), static_shared_bytes=0, cluster=(p.cluster, 1, 1))
 
     def launch_formula(self, shape: Shape, p: Params) -> dict[str, Any]:
         launch = self.geometry(shape, p, {})
-        return {"grid": list(launch.grid), "block": list(launch.block),
+        return {"grid": list(launch.grid), "block": list(launch.block), "cluster": list(launch.cluster),
                 "dynamic_shared_bytes": launch.dynamic_shared_bytes}
 
     def tensor_maps(self, shape: Shape, p: Params) -> dict[str, TensorMapSpec]:

@@ -484,7 +484,7 @@ class LayerNorm(OpFamily):
         grid_x = "M" if p.rows_per_block == 1 else f"(M + {p.rows_per_block - 1}) / {p.rows_per_block}"
         if p.grid_cap:
             grid_x = f"min({grid_x}, {p.grid_cap})"
-        return {"grid": [grid_x, 1, 1], "block": list(launch.block),
+        return {"grid": [grid_x, 1, 1], "block": list(launch.block), "cluster": list(launch.cluster),
                 "dynamic_shared_bytes": launch.dynamic_shared_bytes}
 
     def slug(self, shape: Shape) -> str:
