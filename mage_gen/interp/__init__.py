@@ -5,8 +5,9 @@
     worst_error(op, shape, variant, run, rng)             its relative error, or an InterpError
 
 Modules: parse (PTX text → statements), program (operands, decoded entry), alu / memops (one builder
-per opcode), decode (statements → instructions), fp (fp32 rounding), memory (global and shared memory
-with fault and race checks), warp (32 lanes, min-PC reconvergence, cp.async groups), launch (blocks,
+per opcode; memops also global atomics and fences), decode (statements → instructions), fp (fp32 rounding),
+memory (global and shared memory with fault and race checks, and what a release and an acquire make visible
+across blocks), warp (32 lanes, min-PC reconvergence, cp.async groups), launch (blocks,
 barriers, warps scheduled around their waits), hopper (mbarriers, TMA over tensor maps, wgmma over
 descriptors and swizzles, the proxy fence), gate (an op variant as the gate runs it).
 """

@@ -63,6 +63,8 @@ def decode_entry(entry: Entry) -> Program:
                     raise UnknownInstruction("unknown instruction")
                 if parts[0] in _ASYNC or parts[:3] == ["cp", "async", "bulk"]:
                     dec.prog.async_proxy = True
+                if parts[0] in ("atom", "red", "membar") or (parts[0] == "fence" and parts[-1] in ("gpu", "sys")):
+                    dec.prog.cross_block = True
                 ins = Instr(OP, builder(dec, st, parts), guard, neg, -1, st.line, st.text)
         except UnknownInstruction as exc:
             raise UnknownInstruction(f"line {st.line}: {st.opcode}: {exc} (in {st.text!r})") from None

@@ -559,6 +559,10 @@ def _fence(dec: Decoder, st, parts):
         return fence
     if q[:1] == ["mbarrier_init"]:
         return lambda w, mask: None
+    if len(q) in (1, 2) and q[-1] in ("cta", "cluster", "gpu", "sys") and q[:-1] in ([], ["sc"], ["acq_rel"]):
+        from mage_gen.interp.memops import memory_fence  # ordinary memory: fence{.sem}.scope
+
+        return memory_fence(q[-1] in ("gpu", "sys"))
     raise UnknownInstruction(f"fence.{'.'.join(q)} not implemented ({what})")
 
 

@@ -11,7 +11,7 @@ import numpy as np
 from mage_gen.interp.decode import decode
 from mage_gen.interp.errors import InterpError
 from mage_gen.interp.hopper import AsyncState, HangError, TensorMap
-from mage_gen.interp.memory import Global, Shared
+from mage_gen.interp.memory import Global, Shared, Visibility
 from mage_gen.interp.program import LANES, Program
 from mage_gen.interp.warp import Warp
 
@@ -51,6 +51,8 @@ class Block:
         self.asyncs = AsyncState(self.shared.words.size) if prog.async_proxy else None
         n = ntid[0] * ntid[1] * ntid[2]
         self.first_tid = n * (ctaid[0] + nctaid[0] * (ctaid[1] + nctaid[1] * ctaid[2]))  # launch-wide id of tid 0
+        if glob.visibility is not None:
+            glob.visibility.begin_block(self.first_tid, n)
         self.warps = []
         for w in range(-(-n // LANES)):
             t = w * LANES + np.arange(LANES)
@@ -110,13 +112,18 @@ class Block:
                 if len(warps) < len(live):
                     continue
                 self.shared.new_interval()
+                if self.glob.visibility is not None:
+                    self.glob.visibility.barrier(np.concatenate([w.tids[w.live] for w in warps]))
             else:
                 if LANES * len(warps) < count:
                     continue
                 if LANES * len(warps) > count:
                     raise InterpError(f"block {self.ctaid}: {LANES * len(warps)} threads at barrier {ident}, which "
                                       f"waits for {count}")
-                self.shared.new_interval(np.concatenate([w.tids[w.tids >= 0] for w in warps]))
+                tids = np.concatenate([w.tids[w.tids >= 0] for w in warps])
+                self.shared.new_interval(tids)
+                if self.glob.visibility is not None:
+                    self.glob.visibility.barrier(tids)
             for w in warps:
                 w.barrier = None
             stats.barriers += 1
@@ -173,11 +180,13 @@ def _params(prog: Program, args: list) -> tuple[bytes, list[np.ndarray]]:
     return bytes(buf), glob
 
 
-def run(ptx: str, entry: str, grid, block, dynamic_shared: int, args: list, stats: Stats | None = None) -> Stats:
+def run(ptx: str, entry: str, grid, block, dynamic_shared: int, args: list, stats: Stats | None = None,
+        reverse: bool = False) -> Stats:
     """Execute one launch of `entry`. args in PTX parameter order: numpy arrays for pointer parameters
     (C-contiguous; every array is copied back after the launch, so outputs land in place) and Python
     ints/floats for scalars. Raises an InterpError subclass for anything undefined or unsupported.
-    Counts into `stats` where given."""
+    Counts into `stats` where given. The blocks run one after another, in the order of their index, or with
+    `reverse` the other way round: what a kernel computes must not depend on which block comes first."""
     prog = decode(ptx, entry)
     grid, block = _dim3(grid), _dim3(block)
     if block[0] * block[1] * block[2] > 1024 or min(block) < 1 or min(grid) < 1:
@@ -188,12 +197,13 @@ def run(ptx: str, entry: str, grid, block, dynamic_shared: int, args: list, stat
     stats = Stats() if stats is None else stats
     n = block[0] * block[1] * block[2]
     glob.describe_owner = lambda owner: describe_thread(owner % n, block, _split3(owner // n, grid))
+    if prog.cross_block:
+        glob.visibility = Visibility(n * grid[0] * grid[1] * grid[2], glob.words.size)
+    order = [(x, y, z) for z in range(grid[2]) for y in range(grid[1]) for x in range(grid[0])]
     with np.errstate(all="ignore"):
-        for z in range(grid[2]):
-            for y in range(grid[1]):
-                for x in range(grid[0]):
-                    Block(prog, glob, params, shared_bytes, (x, y, z), block, grid).run(stats)
-                    stats.blocks += 1
+        for ctaid in reversed(order) if reverse else order:
+            Block(prog, glob, params, shared_bytes, ctaid, block, grid).run(stats)
+            stats.blocks += 1
     glob.copy_back()
     stats.kept_lines += len(glob.kept)
     return stats

@@ -330,5 +330,70 @@ def _shfl(dec: Decoder, st, parts):
     return fn
 
 
+_SEMANTICS = ("relaxed", "acquire", "release", "acq_rel")
+_ATOMIC_OPS = {("add", "u32"): lambda old, b: old + b, ("add", "s32"): lambda old, b: old + b,
+               ("exch", "b32"): lambda old, b: b, ("exch", "u32"): lambda old, b: b}
+
+
+def _atom(dec: Decoder, st, parts):
+    """atom{.sem}{.scope}.global.op.type d, [a], b (and red, which returns nothing): add of .u32 / .s32 and exch of
+    .b32, each lane in turn (lane order is one order a GPU may take). sem: relaxed (the default), acquire, release,
+    acq_rel; scope: gpu (the default), sys or cta (which orders nothing across blocks). What the semantics order
+    is kept by memory.Visibility."""
+    q = parts[1:]
+    sem = next((p for p in q if p in _SEMANTICS), "relaxed")
+    scope = next((p for p in q if p in ("cta", "gpu", "sys")), "gpu")
+    rest = [p for p in q if p not in _SEMANTICS and p not in ("cta", "gpu", "sys")]
+    if len(rest) != 3 or rest[0] != "global" or (rest[1], rest[2]) not in _ATOMIC_OPS:
+        raise UnknownInstruction(f"only {parts[0]}[.sem][.scope].global.add.u32/.s32 and .exch.b32 are implemented")
+    if sum(p in _SEMANTICS for p in q) > 1 or sum(p in ("cta", "gpu", "sys") for p in q) > 1:
+        raise UnknownInstruction(f"{parts[0]} with two semantics or two scopes")
+    returns = parts[0] == "atom"
+    if len(st.operands) != (3 if returns else 2):
+        raise UnknownInstruction(f"{parts[0]} takes {'a destination, ' if returns else ''}an address and a value")
+    dt = DTYPES[rest[2]]
+    op = _ATOMIC_OPS[(rest[1], rest[2])]
+    d = dec.dst(st.operands[0]) if returns else -1
+    base, off = dec.address(st.operands[1 if returns else 0])
+    value = dec.src(st.operands[2 if returns else 1], dt)
+    what = f"line {st.line}: {st.text}"
+    counted = scope != "cta"
+
+    def fn(w, mask):
+        glob = w.block.glob
+        sel = w.active(mask)
+        addr = np.broadcast_to(base(w.r) + off, (LANES,))[sel].astype(np.uint64)
+        tids = w.tids[sel]
+        idx = glob.word_index(addr, 4, tids, w.block.describe, what)
+        values = np.broadcast_to(value(w.r), (LANES,))[sel].astype(dt)
+        old = np.empty(len(tids), dtype=dt)
+        for i, word in enumerate(idx.tolist()):  # one lane after another, each on the word's latest value
+            old[i] = glob.words[word:word + 1].view(dt)[0]
+            glob.words[word:word + 1].view(dt)[0] = op(old[i], values[i])
+            if counted and glob.visibility is not None:
+                glob.visibility.atomic(word, int(tids[i]), sem)
+        if returns:
+            w.put_lanes(d, old, mask)
+    return fn
+
+
+def _membar(dec: Decoder, st, parts):
+    """membar.gl / .sys: fence.sc at gpu / sys scope; membar.cta orders nothing across blocks."""
+    if parts[1:] not in (["gl"], ["sys"], ["cta"]) or st.operands:
+        raise UnknownInstruction("only membar.cta, membar.gl and membar.sys are implemented")
+    return memory_fence(parts[1] != "cta")
+
+
+def memory_fence(counted: bool):
+    """A fence.sc / fence.acq_rel (membar): at gpu or sys scope (counted), what memory.Visibility keeps of the
+    thread's acquires and releases."""
+    def fn(w, mask):
+        visibility = w.block.glob.visibility
+        if counted and visibility is not None:
+            for tid in w.tids[w.active(mask)].tolist():
+                visibility.fence(tid)
+    return fn
+
+
 BUILDERS = {"ld": _ld, "st": _st, "cp": _cp_async, "shfl": _shfl, "createpolicy": _createpolicy,
-            "applypriority": _applypriority}
+            "applypriority": _applypriority, "atom": _atom, "red": _atom, "membar": _membar}

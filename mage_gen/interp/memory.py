@@ -4,6 +4,9 @@ Global: every buffer lies in one word array at a pointer-like address, with unma
 buffers; an access that does not fall wholly inside one buffer, or is misaligned, is a MemoryFault.
 Shared: starts as NaN; between two barriers it remembers, for every word, the thread that wrote it
 and the thread(s) that read it, and which thread's cp.async is still filling it.
+Visibility (a kernel that synchronizes across blocks, with fences and atomics): which global stores each
+thread has been made to see, so that a read of a word another thread stored is checked for the release and
+acquire (or the barrier) that order the store before it.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class Global:
         self.writer: np.ndarray | None = None  # launch-wide thread that stored each word, +1 (0: none)
         self.kept: set[int] = set()  # addresses of the 128-byte lines asked for at evict-last, not yet released
         self.describe_owner: Describe = str  # launch-wide thread id -> words (set by the launch)
+        self.visibility: Visibility | None = None  # set by the launch for a kernel with fences or atomics
 
     def copy_back(self) -> None:
         for start, a in zip(self.addresses, self.arrays):
@@ -87,9 +91,17 @@ class Global:
         self._index(addr, nbytes, tids, describe, what)
 
     def read(self, addr, nwords: int, tids, describe: Describe, what: str) -> np.ndarray:
-        """(lanes, nwords) uint32 words at each lane's byte address."""
+        """(lanes, nwords) uint32 words at each lane's byte address; under a Visibility, a StaleReadError where a
+        word another thread stored has not been made visible to the reading thread (tids: in its block)."""
         idx = self._index(addr, 4 * nwords, tids, describe, what)
-        return self.words[idx[:, None] + np.arange(nwords)]
+        idx = idx[:, None] + np.arange(nwords)
+        if self.visibility is not None and self.writer is not None:
+            self.visibility.check_read(self, idx, tids, describe, what)
+        return self.words[idx]
+
+    def word_index(self, addr, nbytes: int, tids, describe: Describe, what: str) -> np.ndarray:
+        """The index of each lane's first word, after the checks of an access of nbytes (an atomic's)."""
+        return self._index(addr, nbytes, tids, describe, what)
 
     def write16(self, addr, values: np.ndarray, tids, describe: Describe, what: str) -> None:
         """2-byte stores of uint16 values at 2-byte-aligned addresses inside a buffer; not race-checked (ownership
@@ -108,6 +120,8 @@ class Global:
             me = np.broadcast_to(np.asarray(owners, dtype=np.int64)[:, None] + 1, idx.shape)
             prev = self.writer[idx]
             self.writer[idx] = me
+            if self.visibility is not None:
+                self.visibility.stored(idx, me[:, 0] - 1)
             clash = ((prev != 0) & (prev != me)) | (self.writer[idx] != me)
             if clash.any():
                 i = tuple(np.argwhere(clash)[0])
@@ -117,6 +131,88 @@ class Global:
                                 f"{describe(int(tids[i[0]]))} stores to a word that "
                                 f"{self.describe_owner(other - 1)} also stores to in this launch")
         self.words[idx] = values
+
+
+class Visibility:
+    """What each thread of the running block has been made to see of the launch's global stores, as a vector
+    clock: a thread's stores are numbered, and see[t, u] is the last of thread u's it sees (u launch-wide).
+
+    A bar.sync merges the clocks of the threads it releases (every store before it is seen after it by all of
+    them). A release (fence.acq_rel / fence.sc / membar at gpu or sys scope, then a strong write such as an
+    atomic; or an atomic .release / .acq_rel) attaches to the atomic's word what the thread saw at the fence (at
+    the atomic); an acquire (an atomic .acquire / .acq_rel; or a relaxed atomic then such a fence) adds what the
+    word carries to what the thread sees. A read of a word another thread stored in this launch is a
+    StaleReadError unless the reader sees that store: blocks run one after another here, so a store a GPU could
+    still be holding back is caught by what orders it, not by when it lands. CTA-scoped fences and atomics order
+    nothing across blocks and are not counted. Atomics themselves are never stale (they act on the word's latest
+    value)."""
+
+    def __init__(self, threads: int, words: int):
+        self.threads = threads  # of the launch
+        self.stores = np.zeros(threads, dtype=np.int32)  # stores each thread has made
+        self.seq = np.zeros(words, dtype=np.int32)  # per global word: its writer's store number
+        self.carried: dict[int, np.ndarray] = {}  # global word -> the clock its releases attached
+        self.first = 0
+        self.see = np.zeros((0, threads), dtype=np.int32)
+        self.released: dict[int, np.ndarray] = {}  # thread of the block -> its clock at its last fence
+        self.acquired: dict[int, np.ndarray] = {}  # thread -> clocks its relaxed atomics read, for its next fence
+
+    def begin_block(self, first: int, threads: int) -> None:
+        self.first = first
+        self.see = np.zeros((threads, self.threads), dtype=np.int32)
+        self.released.clear()
+        self.acquired.clear()
+
+    def own(self, t: int) -> np.ndarray:
+        """Thread t's clock (t in its block), its own stores included."""
+        clock = self.see[t].copy()
+        clock[self.first + t] = self.stores[self.first + t]
+        return clock
+
+    def stored(self, idx: np.ndarray, owners: np.ndarray) -> None:
+        np.add.at(self.stores, owners, 1)
+        self.seq[idx] = self.stores[owners][:, None]
+
+    def barrier(self, tids: np.ndarray) -> None:
+        """The threads tids (of the block) leave a barrier together: each sees what any of them saw or stored."""
+        merged = self.see[tids].max(axis=0)
+        own = self.first + tids
+        merged[own] = np.maximum(merged[own], self.stores[own])
+        self.see[tids] = merged
+
+    def fence(self, t: int) -> None:
+        """A fence at gpu scope by thread t: what its relaxed atomics read is now seen; what it sees is released
+        by its next strong write."""
+        if t in self.acquired:
+            self.see[t] = np.maximum(self.see[t], self.acquired.pop(t))
+        self.released[t] = self.own(t)
+
+    def atomic(self, word: int, t: int, sem: str) -> None:
+        """An atomic of thread t on a global word, under sem (relaxed, acquire, release, acq_rel)."""
+        carried = self.carried.get(word)
+        give = self.own(t) if sem in ("release", "acq_rel") else self.released.get(t)
+        if give is not None:
+            self.carried[word] = give if carried is None else np.maximum(carried, give)
+        if carried is not None:
+            if sem in ("acquire", "acq_rel"):
+                self.see[t] = np.maximum(self.see[t], carried)
+            else:
+                self.acquired[t] = carried if t not in self.acquired else np.maximum(self.acquired[t], carried)
+
+    def check_read(self, glob: Global, idx: np.ndarray, tids, describe: Describe, what: str) -> None:
+        writer = glob.writer[idx] - 1
+        t = np.broadcast_to(np.asarray(tids, dtype=np.int64)[:, None], idx.shape)
+        foreign = (writer >= 0) & (writer != self.first + t)
+        if not foreign.any():
+            return
+        stale = foreign & (self.seq[idx] > self.see[t, np.maximum(writer, 0)])
+        if stale.any():
+            i = tuple(np.argwhere(stale)[0])
+            raise StaleReadError(f"{what}: {describe(int(t[i]))} reads global address "
+                                 f"{GLOBAL_BASE + 4 * int(idx[i]):#x}, which {glob.describe_owner(int(writer[i]))} "
+                                 "stored with nothing that makes the store visible to it: no release (a gpu-scope "
+                                 "fence before an atomic) and acquire (an atomic, then a fence) between them, nor a "
+                                 "barrier of one block")
 
 
 class Shared:
@@ -129,6 +225,9 @@ class Shared:
         self.writer = np.full(n, NONE, dtype=np.int32)
         self.reader = np.full(n, NONE, dtype=np.int32)
         self.pending = np.full(n, NONE, dtype=np.int32)  # thread whose cp.async is filling the word
+        # the warps that read each word read by several threads (MANY), as bits: a named barrier of them all
+        # orders every one of those reads
+        self.reader_warps = np.zeros(n, dtype=np.uint64)
 
     def new_interval(self, tids: np.ndarray | None = None) -> None:
         """A barrier: every access before it is ordered before every one after it; with tids (a named barrier),
@@ -136,9 +235,16 @@ class Shared:
         if tids is None:
             self.writer.fill(NONE)
             self.reader.fill(NONE)
+            self.reader_warps.fill(0)
             return
         for table in (self.writer, self.reader):
             table[np.isin(table, tids)] = NONE
+        many = np.flatnonzero(self.reader == MANY)
+        if many.size:
+            warps = np.bitwise_or.reduce(np.uint64(1) << np.unique(np.asarray(tids) // 32).astype(np.uint64))
+            ordered = many[(self.reader_warps[many] & ~warps) == 0]
+            self.reader[ordered] = NONE
+            self.reader_warps[ordered] = 0
 
     def index(self, addr, nwords: int, tids, describe: Describe, what: str) -> np.ndarray:
         """(lanes, nwords) word indices; a MemoryFault outside the block's shared memory."""
@@ -175,6 +281,8 @@ class Shared:
         r = self.reader[idx]
         self.reader[idx] = t
         multi = (self.reader[idx] != t) | ((r != NONE) & (r != t))
+        bits = np.uint64(1) << (t // 32).astype(np.uint64)
+        np.bitwise_or.at(self.reader_warps, idx.ravel(), bits.ravel())
         if multi.any():
             self.reader[idx[multi]] = MANY
         return self.words[idx]

@@ -48,6 +48,7 @@ class Program:
     static_shared: int = 0  # bytes before the dynamic (extern) array
     dynamic_align: int = 16
     async_proxy: bool = False  # uses mbarriers, TMA or wgmma: its blocks keep hopper.AsyncState
+    cross_block: bool = False  # has gpu-scope fences or global atomics: its launch keeps a memory.Visibility
     constants: bytes = b""  # the module's .const arrays, one after another (const_offsets)
     const_offsets: dict[str, int] = field(default_factory=dict)
 
