@@ -19,7 +19,7 @@ from mage_gen.census import aligned_contract
 from mage_gen.compile import nvrtc_version
 from mage_gen.errors import ConfigError, MageError
 from mage_gen.ops import Arg, Op
-from mage_gen.ops.base import TensorMapSpec, shape_dict, tensor_maps
+from mage_gen.ops.base import TensorMapSpec, refuse_working_args, shape_dict, tensor_maps
 from mage_gen.render import environment
 from mage_gen.store import unwritable, write_atomic
 from mage_gen.timing import Timing
@@ -40,6 +40,7 @@ def emit(op: Op, shape: Any, params: Any, arch: str, out_dir: Path, provenance: 
     stem = f"{op.name}_{op.slug(shape)}" if stem is None else stem
     if not _C_IDENTIFIER.fullmatch(stem):
         raise ConfigError(f"stem: {stem!r} is not a C identifier (letters, digits, _): it prefixes the header's names")
+    refuse_working_args(op, shape, params, "emit")  # its header allocates nothing: split K is not emitted yet
     variant = build(op, shape, params, arch)  # before any folder is made: a rejected config leaves nothing
     header = _header(op, shape, variant, provenance)
     contract = aligned_contract(op.contract(shape, variant.params), variant.census)

@@ -31,7 +31,7 @@ from mage_gen.dtypes import DType
 from mage_gen.dtypes import dtype as element_type
 from mage_gen.errors import GpuError
 from mage_gen.ops import Op
-from mage_gen.ops.base import tensor_maps
+from mage_gen.ops.base import WORKING_KINDS, launch_args, tensor_maps
 from mage_gen.render import render
 from mage_gen.timing import Timing
 from mage_gen.verdict import GateResult, compare_outputs
@@ -52,7 +52,9 @@ def fenced_output(shape: tuple[int, ...], element: DType) -> gpu.Buffer:
 
 
 class Bound:
-    """A kernel bound to device buffers for one run size: inputs uploaded, outputs fenced."""
+    """A kernel bound to device buffers for one run size: inputs uploaded, outputs fenced; working buffers
+    (ops.base.Arg kinds scratch and zeroed) of its own, scratch poisoned with NaN at each poison, zeroed set to zero
+    once, at the start, and checked to be zero again with the outputs (the kernel must leave them so)."""
 
     def __init__(self, op: Op, shape: Any, params: Any, kernel: gpu.Kernel, run: dict[str, int],
                  inputs: dict[str, np.ndarray], on_device: dict[str, gpu.Buffer] | None = None,
@@ -68,6 +70,7 @@ class Bound:
         self.output_shapes = op.output_shapes(shape, run)
         self.output_dtypes: dict[str, DType] = op.output_dtypes(shape)
         self.buffers: dict[str, gpu.Buffer] = {}
+        self.working = {arg.name: arg for arg in launch_args(op, shape, params) if arg.kind in WORKING_KINDS}
         self._borrowed: set[str] = set()  # inputs read in place, freed by their owner
         if share_inputs and on_device is None:
             raise ValueError("share_inputs needs the inputs on the device (on_device)")
@@ -88,12 +91,16 @@ class Bound:
                     self._borrowed.add(name)
                 else:
                     self.buffers[name] = fenced_output(out_shape, self.output_dtypes[name])
+            for name, arg in self.working.items():
+                self.buffers[name] = gpu.Buffer(4 * max(arg.elements, 1))
+                self.buffers[name].upload(np.full(max(arg.elements, 1), 0 if arg.kind == "zeroed" else 0x7FC00000,
+                                                  dtype=np.uint32))
             scalars = op.scalars(shape, run)
             values: list[tuple[str, int | float]] = []
             outputs = self.output_pointers()
             pointers = {**{name: buf.ptr for name, buf in self.buffers.items()}, **outputs}
-            for arg in op.args(shape):
-                if arg.kind in ("out", "in"):
+            for arg in launch_args(op, shape, params):
+                if arg.kind in ("out", "in", *WORKING_KINDS):
                     values.append(("ptr", pointers[arg.name]))
                 else:
                     values.append((arg.kind, scalars[arg.name]))
@@ -116,6 +123,9 @@ class Bound:
             fill(GUARD_BITS[size], stream.handle)
             fill(self.output_dtypes[name].nan_bits & (0xFFFFFFFF if size == 4 else 0xFFFF), stream.handle,
                  offset_bytes=GUARD_BYTES, count=(buf.nbytes - 2 * GUARD_BYTES) // size)
+        for name, arg in self.working.items():
+            if arg.kind == "scratch":  # what a kernel that read it before writing it would read: NaN
+                self.buffers[name].fill32(0x7FC00000, stream.handle)
 
     def enqueue(self, stream_handle: Any) -> None:
         g = self.launch_geometry
@@ -148,6 +158,10 @@ class Bound:
                 complaints.append(f"wrote {changed} elements outside {name}")
             storage = self.output_dtypes[name].storage
             results[name] = raw[guard:-guard].view(storage).reshape(out_shape)
+        for name, arg in self.working.items():
+            if arg.kind == "zeroed" and (left := int(np.count_nonzero(self.buffers[name].download(np.uint32)))):
+                complaints.append(f"left {left} of the {arg.elements} words of {name} not zero (the kernel must leave "
+                                  "them zero for its next launch)")
         return results, complaints
 
     def free(self) -> None:

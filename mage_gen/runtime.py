@@ -24,7 +24,7 @@ from mage_gen.census import Census, aligned_contract, take_census
 from mage_gen.compile import compile_source
 from mage_gen.errors import ConfigError, LaunchError, StoreError
 from mage_gen.ops import OPS, Op, get_op
-from mage_gen.ops.base import shape_dict
+from mage_gen.ops.base import refuse_working_args, shape_dict
 from mage_gen.store import load_winners, pick_winner, store_file, tuned_dirs
 
 # Each op's default_candidates, by name, read-only: the ops declare them
@@ -150,6 +150,10 @@ def _prepare(op: Op, dims: dict[str, Any], run: dict[str, int], context: int, tu
         raise LaunchError(f"{op.name}: {exc}") from None
     device = gpu.device_info(gpu.current_device())
     params = choose(op, shape, run, device, tuned_only)
+    try:  # the runtime allocates no workspace: a split-K winner is refused, not launched without one
+        refuse_working_args(op, shape, params, "the runtime")
+    except ConfigError as exc:
+        raise LaunchError(f"{op.name}: {exc}") from None
     compiled = compile_source(op.source(shape, params), device.arch)
     kernel = _modules.get((context, compiled.key))
     if kernel is None:

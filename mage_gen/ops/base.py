@@ -211,11 +211,34 @@ def tensor_maps(op: Any, shape: Any, params: Any) -> dict[str, TensorMapSpec]:
 
 @dataclass(frozen=True)
 class Arg:
-    """One kernel parameter, in launch order. kind: 'out' | 'in' (buffers of `dtype` elements), 'i32', 'f32'."""
+    """One kernel parameter, in launch order. kind: 'out' | 'in' (buffers of `dtype` elements), 'i32', 'f32', or
+    a buffer the kernel needs beside its tensors, of `elements` 32-bit words: 'scratch' (anything on entry: the
+    kernel writes before it reads; a gate fills it with NaN) or 'zeroed' (all zero on entry, and left all zero by
+    the kernel, which a gate checks after the launch)."""
 
     name: str
     kind: str
-    dtype: str = "float32"  # of a buffer's elements (torch's name)
+    dtype: str = "float32"  # of a buffer's elements (torch's name; 'uint32' for a zeroed buffer of counters)
+    elements: int = 0  # of a scratch or zeroed buffer
+
+
+WORKING_KINDS = ("scratch", "zeroed")  # buffers an op's launch needs beside its tensors
+
+
+def refuse_working_args(op: Any, shape: Any, params: Any, where: str) -> None:
+    """A ConfigError where these params need working buffers (launch_args) that `where` does not provide yet."""
+    working = [arg for arg in launch_args(op, shape, params) if arg.kind in WORKING_KINDS]
+    if working:
+        names = " and ".join(f"{arg.name} ({arg.kind}, {arg.elements} words)" for arg in working)
+        raise ConfigError(f"working-buffers: {where} cannot yet hand this kernel the {names} its params need; use "
+                          "params that need none (split_k=1)")
+
+
+def launch_args(op: Any, shape: Any, params: Any) -> tuple[Arg, ...]:
+    """The kernel's parameters for these params: op.args(shape), and where the params need working buffers (a
+    split-K workspace and its counters), those after the tensors (op.launch_args)."""
+    extra = getattr(op, "launch_args", None)
+    return extra(shape, params) if extra is not None else op.args(shape)
 
 
 class Op(Protocol):
