@@ -64,7 +64,7 @@ class Census:
     global_loads_hinted: dict[str, int] = field(default_factory=dict)
     # Hopper's asynchronous instructions (HOPPER_OPS) -> instructions: wgmma by shape ('wgmma m64n256k16.bf16'), TMA
     # copies by tensor ('tma load A', 'tma load B multicast', 'tma store C'), mbarrier operations, fences,
-    # setmaxnreg by count ('setmaxnreg.inc 232'), cluster barriers, stmatrix
+    # setmaxnreg by count ('setmaxnreg.inc 232'), cluster barriers, stmatrix, atomics and gpu-scope fences
     hopper: dict[str, int] = field(default_factory=dict)
     # tensor -> the widest single global access to it, in bytes (a v2.f32 store: 8; a 16-byte cp.async: 16): the
     # alignment its pointer must have (aligned_contract)
@@ -162,6 +162,12 @@ HOPPER_OPS = (
     ("stmatrix {0}", re.compile(r"\bstmatrix\.sync\.aligned\.m8n8\.(x[124](?:\.trans)?)\.")),
     ("prefetch.tensormap", re.compile(r"\bprefetch\.tensormap\b")),
     ("trap", re.compile(r"\btrap;")),
+    # ordering across blocks (a split-K reduction): atomics by their whole opcode ('atom.relaxed.gpu.global.add.u32'),
+    # fences of ordinary memory by semantics and scope ('fence.acq_rel.gpu')
+    ("atom{0}", re.compile(r"\batom(\.[\w.:]+)\s")),
+    ("red{0}", re.compile(r"\bred(\.[\w.:]+)\s")),
+    ("fence{0}", re.compile(r"\bfence(\.(?:sc|acq_rel)\.(?:cta|cluster|gpu|sys))\b")),
+    ("membar.{0}", re.compile(r"\bmembar\.(cta|gl|sys)\b")),
 )
 
 

@@ -15,6 +15,13 @@ and a TMA store (tma), which needs rows of C on 16 bytes: where N does not allow
 `tma` stores from registers too, and the kernel's name says so. `producer_regs` moves registers from the producer warpgroup to the consumers
 (setmaxnreg); `inflight` 1 keeps one stage's wgmma group running while the next is issued.
 
+`split_k` > 1 splits K: a unit of work is a tile's slice of K (its BK steps shared out as evenly as whole steps
+allow), so that few tiles (small M) still fill the GPU. Each unit stores its fp32 partial tile to a workspace and
+counts itself in on the tile's counter (a release); the last to arrive sums the split_k partials in slice order,
+0 first, whichever unit it is (the result does not depend on the order the units finish in), stores C and sets
+the counter back to zero. The workspace (`workspace_floats`) and the counters (`counters`, zero on entry and left
+zero) are kernel arguments after B (launch_args); with split_k 1 the kernel is the one it was before.
+
 The gate's tolerance: products of bf16 are exact in fp32, so the error is the fp32 accumulation over K (at most
 about K·2⁻²⁴ relative, far less in norm) and, for a bf16 C, one rounding to bf16 (its unit roundoff 2⁻⁸ bounds
 the relative norm): 2⁻²⁴·K + 1e-6, plus 2⁻⁸ where C is bf16.
@@ -51,8 +58,12 @@ MAX_ORDER_TABLE = 16384  # tiles a Hilbert order's table may list (4 bytes each,
 EPILOGUES = ("direct", "tma")
 # test-only bugs the gate must catch: the descriptors' swizzle differs from the tensor maps', the stride byte
 # offset is half what it is, the producer waits for a phase a fresh barrier has not completed (a hang), the TMA
-# store reads the staging tile without the proxy fence after the threads wrote it
-PLANTED_BUGS = ("", "swizzle", "sbo", "phase", "proxy_fence")
+# store reads the staging tile without the proxy fence after the threads wrote it; under split K, the counter is
+# left at split_k (not reset), the last unit sums its own partial first, the partials are published with no
+# release fence
+PLANTED_BUGS = ("", "swizzle", "sbo", "phase", "proxy_fence", "split_reset", "split_order", "split_fence")
+SPLIT_PLANTS = ("split_reset", "split_order", "split_fence")
+MAX_SPLIT_K = 16
 _HIDDEN = frozenset({"plant", "watchdog_ms"})
 # A wait on an mbarrier that outlasts this traps: a launch that would hang fails instead
 WATCHDOG_MS = 4000
@@ -104,6 +115,7 @@ class Params:
     inflight: int = 1  # wgmma groups left running while the next stage's are issued: 0 or 1
     epilogue: str = "direct"
     grid: int = 0  # CTAs of the persistent grid, at most one per tile; 0: one per tile
+    split_k: int = 1  # slices of K a tile is split into, each a unit of work; their partials summed in order
     plant: str = ""  # a deliberate bug, for the tests of the gate only
     watchdog_ms: int = WATCHDOG_MS
 
@@ -116,7 +128,8 @@ class Params:
                 + (f" x{self.cluster}{self.multicast}" if self.cluster > 1 else "")
                 + f" {self.order}"
                 + (f"{self.group}" if self.order == "grouped" else "") + f" r{self.producer_regs} f{self.inflight}"
-                f" {self.epilogue}" + (f" grid≤{self.grid}" if self.grid else "") + (f" PLANTED {self.plant}" if self.plant else ""))
+                f" {self.epilogue}" + (f" grid≤{self.grid}" if self.grid else "")
+                + (f" split{self.split_k}" if self.split_k > 1 else "") + (f" PLANTED {self.plant}" if self.plant else ""))
 
 
 def _tiles(shape: Shape, p: Params) -> tuple[int, int]:
@@ -133,6 +146,31 @@ def _units(shape: Shape, p: Params) -> tuple[int, int]:
     tiles_m, tiles_n = _tiles(shape, p)
     share_a, share_b = _shares(p)
     return -(-tiles_m // share_b), -(-tiles_n // share_a)
+
+
+def _kblocks(shape: Shape) -> int:
+    return -(-shape.k // BK)
+
+
+def _workspace_tiles(shape: Shape, p: Params) -> tuple[int, int]:
+    """Tile rows and columns the workspace and counters hold: every tile a unit may name (a cluster's last tiles may
+    lie past M or N)."""
+    units_m, units_n = _units(shape, p)
+    share_a, share_b = _shares(p)
+    return units_m * share_b, units_n * share_a
+
+
+def workspace_floats(shape: Shape, p: Params) -> int:
+    """fp32 words of the split-K workspace: a partial tile for every slice of every tile (0 with split_k 1)."""
+    if p.split_k == 1:
+        return 0
+    rows, cols = _workspace_tiles(shape, p)
+    return p.split_k * rows * cols * p.bm * p.bn
+
+
+def counters(shape: Shape, p: Params) -> int:
+    """32-bit counters of the split-K reduction, one per tile (0 with split_k 1)."""
+    return 0 if p.split_k == 1 else int(np.prod(_workspace_tiles(shape, p)))
 
 
 def consumer_rows(p: Params) -> int:
@@ -185,7 +223,8 @@ def _shared_bytes(shape: Shape, p: Params) -> int:
     out = OUTPUTS[shape.c_dtype]
     staging = p.consumers * consumer_rows(p) * p.bn * out.itemsize if epilogue(shape, p) == "tma" else 0
     order = 16 if p.schedule == "pingpong" else 0  # the consumers' two turn barriers
-    return 1024 + p.stages * (p.bm + p.bn) * BK * 2 + staging + 2 * 8 * p.stages + order  # 1024: to align the tiles
+    flags = 8 if p.split_k > 1 else 0  # split K: each tile's consumers agree there on which unit arrived last
+    return 1024 + p.stages * (p.bm + p.bn) * BK * 2 + staging + 2 * 8 * p.stages + order + flags  # 1024: to align
 
 
 _SHAPE_RULES = (
@@ -252,7 +291,14 @@ _RULES: tuple[Rule, ...] = (
                       + (" and the C staging tile" if epilogue(s, p) == "tma" else "")
                       + f" need {_shared_bytes(s, p)} bytes, over the {MAX_SHARED_BYTES} a block can have; use fewer "
                         "stages or a smaller tile"),
+    Rule("split-k", lambda s, p: 1 <= p.split_k <= MAX_SPLIT_K,
+         lambda s, p: f"split_k is 1 (no split) to {MAX_SPLIT_K} slices of K, got {p.split_k}"),
+    Rule("split-k", lambda s, p: p.split_k <= _kblocks(s),
+         lambda s, p: f"split_k={p.split_k} slices need a {BK}-deep step of K each, and K={s.k} has {_kblocks(s)}; "
+                      f"use split_k ≤ {_kblocks(s)}"),
     Rule("plant", lambda s, p: p.plant in PLANTED_BUGS, lambda s, p: f"unknown planted bug {p.plant!r}"),
+    Rule("plant", lambda s, p: p.plant not in SPLIT_PLANTS or p.split_k > 1,
+         lambda s, p: f"{p.plant} is a bug of the split-K reduction: plant it with split_k > 1"),
     Rule("plant", lambda s, p: p.plant != "proxy_fence" or epilogue(s, p) == "tma",
          lambda s, p: "the proxy fence belongs to the TMA store: plant proxy_fence with epilogue tma (and N·size a "
                       "multiple of 16 bytes)"),
@@ -325,7 +371,7 @@ class GemmSm90(OpFamily):
 
     # ---- launch ----
     def geometry(self, shape: Shape, p: Params, run: dict[str, int]) -> Launch:
-        units = int(np.prod(_units(shape, p)))  # a cluster's CTAs take a unit together
+        units = int(np.prod(_units(shape, p))) * p.split_k  # a cluster's CTAs take a unit together
         return Launch(grid=(min(p.grid // p.cluster or units, units) * p.cluster, 1, 1), block=(p.threads, 1, 1),
                       dynamic_shared_bytes=_shared_bytes(shape, p), static_shared_bytes=0, cluster=(p.cluster, 1, 1))
 
@@ -361,7 +407,8 @@ class GemmSm90(OpFamily):
                 + ("_pp" if p.schedule == "pingpong" else "")
                 + (f"_x{p.cluster}" + ("a" if p.multicast == "a" else "") if p.cluster > 1 else "")
                 + f"_{order}_r{p.producer_regs}"
-                f"_f{p.inflight}_{epilogue(shape, p)}" + (f"_bug_{p.plant}" if p.plant else ""))
+                f"_f{p.inflight}_{epilogue(shape, p)}" + (f"_k{p.split_k}" if p.split_k > 1 else "")
+                + (f"_bug_{p.plant}" if p.plant else ""))
 
     def context(self, shape: Shape, p: Params) -> dict[str, Any]:
         out = OUTPUTS[shape.c_dtype]
@@ -388,6 +435,13 @@ class GemmSm90(OpFamily):
             ORDER=p.order, GROUP=p.group, PRODUCER_REGS=p.producer_regs, CONSUMER_REGS=consumer_regs(p),
             INFLIGHT=p.inflight, EPILOGUE=epilogue(shape, p), WATCHDOG_NS=p.watchdog_ms * 1_000_000, PLANT=p.plant,
             SWIZZLE=64 if p.plant == "swizzle" else SWIZZLE, SBO=SBO // 2 if p.plant == "sbo" else SBO,
+            # split K: the workspace holds SLICE_FLOATS a slice (every tile's partial); PART_THREADS threads hold a
+            # tile's accumulators (one consumer's under pingpong) and meet at SPLIT_BARRIER (named barriers 1 and 2
+            # are the TMA store's); the flag that says which unit arrived last lies past the mbarriers
+            SPLIT=p.split_k, WS_TILES_N=_workspace_tiles(shape, p)[1], WS_TILES=int(np.prod(_workspace_tiles(shape, p))),
+            SLICE_FLOATS=workspace_floats(shape, p) // p.split_k, PART_THREADS=128 if p.schedule == "pingpong" else 128 * p.consumers,
+            SPLIT_BARRIER="3 + consumer" if p.schedule == "pingpong" else "3",
+            SPLIT_FLAG_AT=p.stages * stage_bytes + c_stage + 16 * p.stages + (16 if p.schedule == "pingpong" else 0),
         )
 
     def source(self, shape: Shape, p: Params) -> Source:
@@ -403,6 +457,13 @@ class GemmSm90(OpFamily):
     # ---- data ----
     def args(self, shape: Shape) -> tuple[Arg, ...]:
         return (Arg("C", "out", OUTPUTS[shape.c_dtype].name), Arg("A", "in", "bfloat16"), Arg("B", "in", "bfloat16"))
+
+    def launch_args(self, shape: Shape, p: Params) -> tuple[Arg, ...]:
+        """args, and under split K the workspace (scratch) and the tiles' counters (zero on entry, left zero)."""
+        if p.split_k == 1:
+            return self.args(shape)
+        return self.args(shape) + (Arg("workspace", "scratch", "float32", workspace_floats(shape, p)),
+                                   Arg("counters", "zeroed", "uint32", counters(shape, p)))
 
     def make_inputs(self, shape: Shape, run: dict[str, int], rng: np.random.Generator) -> dict[str, np.ndarray]:
         """A and B with rows of lda elements; the padding past K is NaN, so a kernel that read it would fail."""
@@ -459,8 +520,26 @@ class GemmSm90(OpFamily):
                               "alignment_bytes": c_align},
                         "A": operand(shape.m, shape.k, shape.lda, "M×K"), "B": b},
             "aliasing": "C must not overlap A or B (no in-place use): every pointer is declared __restrict__",
+            **({"working": self._working(shape, p)} if p.split_k > 1 else {}),
             "scalars": {},
             "tensor_maps": {name: spec.to_dict() for name, spec in self.tensor_maps(shape, p).items()},
+        }
+
+
+    def _working(self, shape: Shape, p: Params) -> dict[str, Any]:
+        """What split K's extra arguments must be: their sizes, and what the kernel assumes and leaves of them."""
+        return {
+            "workspace": {"dtype": "float32", "elements": workspace_floats(shape, p),
+                          "bytes": 4 * workspace_floats(shape, p), "alignment_bytes": 16,
+                          "contents": "scratch: any values on entry (each unit writes its partial before any unit "
+                                      "reads it); not shared by two launches running at once"},
+            "counters": {"dtype": "uint32", "elements": counters(shape, p), "bytes": 4 * counters(shape, p),
+                         "alignment_bytes": 4,
+                         "contents": "all zero before the first launch (e.g. cudaMemset once); every launch leaves "
+                                     "them zero again, so that the next needs no memset; not shared by two launches "
+                                     "running at once"},
+            "order": f"each tile is the sum of its {p.split_k} partials in slice order, whichever unit finishes last: "
+                     "the same bits every launch",
         }
 
 

@@ -1,0 +1,166 @@
+"""Split K in the Hopper GEMM (mage_gen/ops/gemm_sm90.py, split_k): with split_k 1 every stored winner renders the
+text it was tuned with; with more, units are (tile, slice of K), each partial goes to the workspace, the tile's
+counter says which unit came last, and that one sums the partials in slice order and leaves the counter zero.
+On the CPU interpreter: C bit for bit at tails, the same bits whichever block finishes first, the counters left
+zero for the next launch, and each planted bug of the reduction caught."""
+
+import dataclasses
+import json
+import re
+
+import numpy as np
+import pytest
+
+from mage_gen import interp
+from mage_gen.dtypes import BFLOAT16
+from mage_gen.errors import ConfigError
+from mage_gen.ops import get_op
+from mage_gen.ops.base import launch_args
+from mage_gen.ops.gemm_sm90 import counters, workspace_floats
+from mage_gen.resources import data_dir
+from mage_gen.space import load_space
+from mage_gen.store import is_current
+from mage_gen.variants import build
+from test_gemm_sm90 import SMALL, _whole_numbers
+
+OP = get_op("gemm_sm90")
+
+
+def _stored_winners():
+    stored = json.loads((data_dir("tuned") / "h200" / "gemm_sm90.json").read_text())
+    for key, entry in stored["entries"].items():
+        sizes, precision, b_layout, c_dtype = key.split("/")
+        dims = {name: int(value) for name, value in (part.split("=") for part in sizes.split(","))}
+        yield OP.shape(**dims, precision=precision, b_layout=b_layout, c_dtype=c_dtype), entry
+
+
+def test_split_k_1_renders_every_stored_winner_as_it_was_tuned():
+    winners = list(_stored_winners())
+    assert winners
+    for shape, entry in winners:
+        params = OP.params_from_dict(entry["params"])
+        assert params.split_k == 1
+        source = OP.source(shape, params)
+        assert is_current(entry, source), f"{shape}: {params.label()} renders other text than it was tuned with"
+        assert OP.source(shape, dataclasses.replace(params, split_k=1)).text == source.text
+        assert launch_args(OP, shape, params) == OP.args(shape) and "working" not in OP.contract(shape, params)
+
+
+def test_split_k_is_an_axis_of_the_space_and_in_no_preset_yet():
+    shape = OP.shape(m=16, n=4096, k=4096)
+    assert dict(load_space(OP, "full", shape).axes)["split_k"] == (1,)
+    for preset in ("quick", "skinny"):
+        assert dict(load_space(OP, preset, shape).axes)["split_k"] == (1,)
+    text = (data_dir("search") / "gemm_sm90.toml").read_text()
+    assert "split_k = [1, 2, 3, 4, 6, 8]" in text
+
+
+@pytest.mark.parametrize("k, values, rule", [
+    (4096, {"split_k": 0}, "split-k: split_k is 1 (no split) to 16 slices of K, got 0"),
+    (4096, {"split_k": 17}, "split-k: split_k is 1 (no split) to 16 slices of K, got 17"),
+    (129, {"split_k": 4}, "split-k: split_k=4 slices need a 64-deep step of K each, and K=129 has 3; use split_k ≤ 3"),
+    (4096, {"plant": "split_reset"}, "plant: split_reset is a bug of the split-K reduction: plant it with split_k > 1"),
+])
+def test_rules_refuse_a_split_that_cannot_be_built_with_a_line_naming_the_rule(k, values, rule):
+    with pytest.raises(ConfigError, match="^" + re.escape(rule) + "$"):
+        OP.validate(OP.shape(m=256, n=256, k=k), OP.params_from_dict(values))
+
+
+def test_units_are_slices_of_tiles_and_the_workspace_and_counters_are_arguments_after_b():
+    shape = OP.shape(m=16, n=4096, k=4096)
+    p = OP.params_from_dict({"bm": 64, "bn": 64, "consumers": 1, "grid": 0, "split_k": 2})
+    assert OP.geometry(shape, p, {}).grid == (128, 1, 1)  # 64 tiles, two units each
+    assert OP.geometry(shape, dataclasses.replace(p, grid=132), {}).grid == (128, 1, 1)
+    assert workspace_floats(shape, p) == 2 * 64 * 64 * 64 and counters(shape, p) == 64
+    args = launch_args(OP, shape, p)
+    assert [(a.name, a.kind) for a in args] == [("C", "out"), ("A", "in"), ("B", "in"), ("workspace", "scratch"),
+                                                ("counters", "zeroed")]
+    assert args[3].elements == workspace_floats(shape, p) and args[4].elements == 64
+    working = OP.contract(shape, p)["working"]
+    assert working["workspace"]["bytes"] == 4 * 2 * 64 * 64 * 64 and working["counters"]["elements"] == 64
+    assert "zero" in working["counters"]["contents"] and "slice order" in working["order"]
+    text = OP.source(shape, p).text
+    assert "float* __restrict__ workspace, unsigned* __restrict__ counters," in text
+    assert OP.kernel_name(shape, p).endswith("_k2") and "split2" in p.label()
+    # the slices of K's 64 steps: 0-31 and 32-63
+    assert "kb_begin = slice * 64 / 2, kb_end = (slice + 1) * 64 / 2" in text
+
+
+def test_emit_and_the_runtime_refuse_a_kernel_that_needs_a_workspace():
+    from mage_gen.emit import emit
+
+    shape = OP.shape(m=256, n=256, k=256)
+    p = OP.params_from_dict({"split_k": 2})
+    with pytest.raises(ConfigError, match=r"^working-buffers: emit cannot yet hand this kernel the workspace "
+                                          r"\(scratch, \d+ words\) and counters \(zeroed, 4 words\) its params need; "
+                                          r"use params that need none \(split_k=1\)$"):
+        emit(OP, shape, p, "sm_90", None, None)
+
+
+@pytest.mark.parametrize("values", [{"split_k": 2}, {"split_k": 4, "bm": 64, "consumers": 1},
+                                    {"split_k": 2, "schedule": "pingpong", "consumers": 2}])
+def test_the_census_counts_one_arrival_and_two_fences_and_the_partials_as_16_byte_accesses(values):
+    shape = OP.shape(m=512, n=512, k=512)
+    p = OP.params_from_dict({**values, "bn": 128, "epilogue": "tma"})
+    c = build(OP, shape, p, "sm_90").census
+    assert c.hopper["atom.relaxed.gpu.global.add.u32"] == 1
+    assert c.hopper["fence.acq_rel.gpu"] == 2  # release before the arrival, acquire after the last one
+    slabs = (p.bm // p.consumers if p.schedule == "cooperative" else p.bm) // 64
+    assert c.stores_of("workspace") == c.stores_of("workspace", "v4") == slabs * p.bn // 8
+    assert c.loads_of("workspace") == c.loads_of("workspace", "v4") == slabs * p.bn // 8 * p.split_k
+    assert c.stores_of("counters") == 1  # the reset
+    assert c.unfenced_async_reads == {} and c.spill_bytes == 0
+    plain = build(OP, shape, dataclasses.replace(p, split_k=1), "sm_90").census
+    assert not [key for key in plain.hopper if key.startswith(("atom", "fence.acq_rel"))]
+
+
+# ---- on the CPU interpreter ----
+
+@pytest.mark.parametrize("c_dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("values", [{"split_k": 2}, {"split_k": 3, "grid": 3},
+                                    {"split_k": 2, "schedule": "pingpong", "consumers": 2, "grid": 1},
+                                    {"split_k": 3, "bn": 128, "epilogue": "tma"}])
+def test_a_split_config_on_the_interpreter_matches_numpy_bit_for_bit_at_tails_and_leaves_the_counters_zero(
+        c_dtype, values):
+    # M, N, K ≡ 1 mod 8, K = 201 four 64-deep steps, the last a tail (a TMA store needs N·size on 16 bytes)
+    n = 136 if values.get("epilogue") == "tma" else 129
+    shape = OP.shape(m=129, n=n, k=201, c_dtype=c_dtype)
+    variant = build(OP, shape, OP.params_from_dict({**SMALL, **values}), "sm_90")
+    inputs = _whole_numbers(shape, np.random.default_rng(7))
+    exact = OP.reference(shape, inputs, {})["C"]
+    expected = BFLOAT16.round(exact) if c_dtype == "bf16" else exact.astype(np.float32)
+    working = {}
+    for launch in range(2):  # the second on the counters the first left (launch_with checks they are zero)
+        out = interp.launch_with(OP, shape, variant, {}, inputs, working=working, reverse=bool(launch))["C"]
+        assert out.dtype == expected.dtype and np.array_equal(out.view(np.uint8), expected.view(np.uint8)), launch
+        assert not working["counters"].any()
+        working["workspace"][:] = np.nan
+
+
+def test_the_sum_is_the_same_bits_whichever_unit_arrives_last():
+    # K's 5 steps in 3 slices, random (not whole) values: fp32 sums that differ with their order; grid 2 takes
+    # slices of one tile in both blocks, so running the blocks the other way round changes who arrives last
+    shape = OP.shape(m=65, n=65, k=321, c_dtype="fp32")
+    p = OP.params_from_dict({**SMALL, "split_k": 3})
+    inputs = OP.make_inputs(shape, {}, np.random.default_rng(3))
+    outputs = {}
+    for plant in ("", "split_order"):
+        variant = build(OP, shape, dataclasses.replace(p, plant=plant), "sm_90")
+        forward, backward = (interp.launch_with(OP, shape, variant, {}, inputs, reverse=r)["C"] for r in (False, True))
+        outputs[plant] = np.count_nonzero(forward.view(np.uint32) != backward.view(np.uint32))
+    assert outputs[""] == 0 and outputs["split_order"] > 0
+
+
+@pytest.mark.parametrize("plant, caught", [
+    ("split_reset", "counters: 4 of 4 words are not zero after the launch"),
+    ("split_fence", "stored with nothing that makes the store visible to it"),
+    ("split_order", "is not the same bits with the blocks run in the reverse order"),
+])
+def test_the_interpreter_gate_catches_each_planted_bug_of_the_reduction(plant, caught):
+    # 2×2 tiles of 64, K's 5 steps in 3 slices (of two, the order could not show: a + b is b + a, bit for bit)
+    shape = OP.shape(m=100, n=120, k=300, c_dtype="fp32")
+    clean = OP.params_from_dict({**SMALL, "split_k": 3})
+    assert interp.gate(OP, shape, build(OP, shape, clean, "sm_90"), {}, np.random.default_rng(0)).passed
+    planted = build(OP, shape, dataclasses.replace(clean, plant=plant), "sm_90")
+    result = interp.gate(OP, shape, planted, {}, np.random.default_rng(0))
+    assert not result.passed and caught in result.reason, result.reason
