@@ -1,5 +1,6 @@
 """On the GPU: the Hopper GEMM. Every stored winner, and drawn configs, match the float64 reference at tails
-(M, N, K ≡ 1 mod 8, K not a multiple of 64); the gate rejects a wrong swizzle and a wrong stride byte offset; a
+(M, N, K ≡ 1 mod 8, K not a multiple of 64), split K too, the same bits every launch, with its counters left zero;
+the gate rejects a wrong swizzle and a wrong stride byte offset; a
 wait on the wrong phase is reported as a hang and the next trial runs; a C++ program built from the emitted .h
 and .cubin alone computes C. Skipped without a CUDA driver."""
 
@@ -102,6 +103,73 @@ def test_a_cluster_is_timed_through_a_captured_graph_and_the_driver_sizes_its_cl
         kernel.unload()
     assert 0 < clusters <= device.sms // 2
     evaluation = bench.evaluate(variant, hot_replays=3, cold_count=3)
+    assert evaluation.gate.passed, evaluation.gate.reason
+    assert evaluation.hot is not None and evaluation.hot.median_us > 0
+
+
+SPLIT = [{"bm": 64, "bn": 64, "consumers": 1, "split_k": 2}, {"bm": 64, "bn": 64, "consumers": 1, "split_k": 3,
+                                                                "epilogue": "tma"},
+         {"bm": 128, "bn": 128, "split_k": 4}, {"bm": 128, "bn": 128, "split_k": 2, "schedule": "pingpong"},
+         {"bm": 128, "bn": 128, "split_k": 2, "cluster": 2}]
+
+
+@pytest.mark.parametrize("values", SPLIT, ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()))
+@pytest.mark.parametrize("m, n, k", [*TAILS, (16, 4096, 4096)])
+def test_split_k_passes_the_gate_and_leaves_its_counters_zero(device, stream, values, m, n, k):
+    """measure.Bound gives the workspace (NaN) and the counters (zero), and the gate fails a launch that leaves a
+    counter other than zero."""
+    params = OP.params_from_dict({"grid": device.sms, **values})
+    result = gate_on_gpu(OP, device, stream, OP.shape(m=m, n=n, k=k), params)
+    assert result.passed, f"{params.label()} at {m}x{n}x{k}: {result.reason}"
+
+
+@pytest.mark.parametrize("values", SPLIT[:3], ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()))
+def test_split_k_writes_the_same_bits_every_launch(device, stream, values):
+    """Whichever unit of a tile finishes last sums the partials in slice order: ten launches on one set of random
+    inputs, the counters left by each for the next, give one result bit for bit."""
+    import numpy as np
+
+    from mage_gen import gpu
+    from mage_gen.measure import Bound
+
+    shape = OP.shape(m=1025, n=1033, k=4096, c_dtype="fp32")
+    params = OP.params_from_dict({"grid": device.sms, **values})
+    variant = build(OP, shape, params, device.arch)
+    kernel = gpu.Kernel(variant.compiled.cubin, variant.source.kernel_name,
+                        OP.geometry(shape, params, {}).dynamic_shared_bytes)
+    bound = Bound(OP, shape, params, kernel, {}, OP.make_inputs(shape, {}, np.random.default_rng(5)))
+    try:
+        results = []
+        for _ in range(10):
+            bound.poison(stream)
+            bound.enqueue(stream.handle)
+            stream.synchronize()
+            outputs, complaints = bound.outputs()
+            assert not complaints, complaints
+            results.append(outputs["C"].view(np.uint32).copy())
+        assert all(np.array_equal(results[0], r) for r in results[1:])
+    finally:
+        bound.free()
+        kernel.unload()
+
+
+def test_the_gate_fails_a_split_k_kernel_that_does_not_reset_its_counters(device, stream):
+    shape = OP.shape(m=1025, n=1033, k=1041)
+    params = OP.params_from_dict({"bm": 64, "bn": 64, "consumers": 1, "split_k": 2, "grid": device.sms,
+                                  "plant": "split_reset"})
+    result = gate_on_gpu(OP, device, stream, shape, params)
+    assert not result.passed and "words of counters not zero" in result.reason, result.reason
+
+
+def test_split_k_at_m_16_is_timed_through_a_captured_graph(device):
+    """Hot replays launch back to back on the counters each launch leaves zero."""
+    from mage_gen.measure import Bench
+
+    shape = OP.shape(m=16, n=4096, k=4096)
+    params = OP.params_from_dict({"bm": 64, "bn": 64, "consumers": 1, "stages": 6, "epilogue": "tma",
+                                  "grid": device.sms, "split_k": 2})
+    evaluation = Bench(OP, shape, {}, seed=1).evaluate(build(OP, shape, params, device.arch), hot_replays=5,
+                                                      cold_count=5)
     assert evaluation.gate.passed, evaluation.gate.reason
     assert evaluation.hot is not None and evaluation.hot.median_us > 0
 
