@@ -19,7 +19,7 @@ from mage_gen.census import aligned_contract
 from mage_gen.compile import nvrtc_version
 from mage_gen.errors import ConfigError, MageError
 from mage_gen.ops import Arg, Op
-from mage_gen.ops.base import TensorMapSpec, refuse_working_args, shape_dict, tensor_maps
+from mage_gen.ops.base import WORKING_KINDS, TensorMapSpec, launch_args, shape_dict, tensor_maps
 from mage_gen.render import environment
 from mage_gen.store import unwritable, write_atomic
 from mage_gen.timing import Timing
@@ -27,6 +27,7 @@ from mage_gen.variants import Variant, build
 
 LAUNCH_FORMAT = 2
 _C_TYPES = {"i32": "int", "f32": "float"}
+_WORKING_C_TYPES = {"float32": "float*", "uint32": "unsigned int*"}  # a working buffer's words
 DEFAULT_SHARED_LIMIT = 48 * 1024  # shared memory, static and dynamic, a function may use before it opts in to more
 _C_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -40,7 +41,6 @@ def emit(op: Op, shape: Any, params: Any, arch: str, out_dir: Path, provenance: 
     stem = f"{op.name}_{op.slug(shape)}" if stem is None else stem
     if not _C_IDENTIFIER.fullmatch(stem):
         raise ConfigError(f"stem: {stem!r} is not a C identifier (letters, digits, _): it prefixes the header's names")
-    refuse_working_args(op, shape, params, "emit")  # its header allocates nothing: split K is not emitted yet
     variant = build(op, shape, params, arch)  # before any folder is made: a rejected config leaves nothing
     header = _header(op, shape, variant, provenance)
     contract = aligned_contract(op.contract(shape, variant.params), variant.census)
@@ -94,6 +94,8 @@ def check_out_dir(out_dir: Path, what: str = "kernels") -> None:
 
 def _c_type(arg: Arg) -> str:
     """A 16-bit tensor is passed as unsigned short*: the generated kernel reads and writes its bits."""
+    if arg.kind in WORKING_KINDS:
+        return _WORKING_C_TYPES[arg.dtype]
     if arg.kind in ("in", "out"):
         return ("const " if arg.kind == "in" else "") + element_type(arg.dtype).c_type + "*"
     return _C_TYPES[arg.kind]
@@ -110,7 +112,7 @@ def _launch_doc(op: Op, shape: Any, variant: Variant, provenance: dict[str, Any]
         "arch": variant.compiled.arch,
         "launch": launch,
         "dynamic_shared_memory": _dynamic_shared(launch["dynamic_shared_bytes"], variant.census.shared_bytes),
-        "args": [{"name": a.name, "type": _c_type(a)} for a in op.args(shape)]
+        "args": [{"name": a.name, "type": _c_type(a)} for a in launch_args(op, shape, variant.params)]
         + [{"name": name, "type": "CUtensorMap (by value)", "maps": spec.tensor}
            for name, spec in tensor_maps(op, shape, variant.params).items()],
         "contract": contract,
@@ -151,7 +153,8 @@ def _c_header(op: Op, shape: Any, variant: Variant, stem: str, provenance: list[
     cluster = list(launch["cluster"]) if launch["cluster"] != [1, 1, 1] else None
     return environment().get_template("emit/launch.h.j2").render(
         stem=stem, kernel=variant.source.kernel_name, arch=variant.compiled.arch, provenance=provenance,
-        contract=contract, args=[(a.name, _c_type(a)) for a in op.args(shape)], grid=grid, block=launch["block"],
+        contract=contract, args=[(a.name, _c_type(a)) for a in launch_args(op, shape, variant.params)],
+        grid=grid, block=launch["block"],
         cluster=cluster, shared_bytes=shared, opt_in=_needs_opt_in(shared, variant.census.shared_bytes),
         uses_min=any(f"{stem}_min(" in g for g in grid),
         maps={name: _c_tensor_map(spec) for name, spec in tensor_maps(op, shape, variant.params).items()})
@@ -188,7 +191,7 @@ def _header(op: Op, shape: Any, variant: Variant, provenance: dict[str, Any] | N
                    + (f"clusters of ({', '.join(map(str, launch['cluster']))}) CTAs, "
                       if launch["cluster"] != [1, 1, 1] else "")
                    + f"{launch['dynamic_shared_bytes']} B dynamic shared memory"),
-        ("args", ", ".join(f"{_c_type(a)} {a.name}" for a in op.args(shape))),
+        ("args", ", ".join(f"{_c_type(a)} {a.name}" for a in launch_args(op, shape, variant.params))),
     ]
     rows += _timing_rows(provenance) if provenance else [("timings", "none: not from a tuned/ entry")]
     width = max(len(key) for key, _ in rows)

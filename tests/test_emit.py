@@ -265,6 +265,18 @@ def run_checked(command: list[str], **kwargs) -> str:
     return done.stdout
 
 
+def run_against_stub(tmp_path, stub: str, caller: str) -> dict[str, list[str]]:
+    """calls() of a C++ caller of emitted headers in tmp_path, built against a stub libcuda.so and run."""
+    (tmp_path / "stub.c").write_text(stub)
+    (tmp_path / "main.cpp").write_text(caller)
+    run_checked(["nvcc", "-shared", "-Xcompiler", "-fPIC", str(tmp_path / "stub.c"),
+                 "-o", str(tmp_path / "libcuda.so")])
+    # host code only, no CUDA runtime: the header needs cuda.h and libcuda and nothing else
+    run_checked(["nvcc", "-cudart", "none", "-Xcompiler", "-Wall,-Wextra,-Werror", str(tmp_path / "main.cpp"),
+                 "-I", str(tmp_path), "-L", str(tmp_path), "-lcuda", "-o", str(tmp_path / "main")])
+    return calls(run_checked([str(tmp_path / "main")], env={**os.environ, "LD_LIBRARY_PATH": str(tmp_path)}))
+
+
 def calls(stdout: str) -> dict[str, list[str]]:
     """The stub's lines between one `call LABEL` and the next, by label."""
     out: dict[str, list[str]] = {}
@@ -284,15 +296,7 @@ def test_header_compiles_links_and_launches_as_the_formula_says(tmp_path):
     emit(OP, SHAPE, multirow, "sm_90", tmp_path, None)
     emit(OP, SHAPE, capped, "sm_90", tmp_path, None, stem="layernorm_d768_capped")
     emit(MM, MM_SHAPE, MM_BIG, "sm_90", tmp_path, None)
-    (tmp_path / "stub.c").write_text(STUB_LIBCUDA)
-    (tmp_path / "main.cpp").write_text(CALLER)
-    run_checked(["nvcc", "-shared", "-Xcompiler", "-fPIC", str(tmp_path / "stub.c"),
-                 "-o", str(tmp_path / "libcuda.so")])
-    # host code only, no CUDA runtime: the header needs cuda.h and libcuda and nothing else
-    run_checked(["nvcc", "-cudart", "none", "-Xcompiler", "-Wall,-Wextra,-Werror", str(tmp_path / "main.cpp"),
-                 "-I", str(tmp_path), "-L", str(tmp_path), "-lcuda", "-o", str(tmp_path / "main")])
-    stdout = run_checked([str(tmp_path / "main")], env={**os.environ, "LD_LIBRARY_PATH": str(tmp_path)})
-    got = calls(stdout)
+    got = run_against_stub(tmp_path, STUB_LIBCUDA, CALLER)
 
     def launched(params, m: int) -> str:
         launch = OP.geometry(SHAPE, params, {"m": m})
@@ -411,14 +415,7 @@ def test_a_gemm_header_launches_a_cluster_with_cuLaunchKernelEx_and_its_cluster_
         params = GEMM.params_from_dict({"bn": 128, "stages": 4, "epilogue": "tma", "grid": 132, "cluster": cluster})
         emit(GEMM, GEMM_SHAPE, params, "sm_90", tmp_path, None, stem=f"gemm_x{cluster}")
         geometry[cluster] = GEMM.geometry(GEMM_SHAPE, params, {})
-    (tmp_path / "stub.c").write_text(STUB_GEMM_LIBCUDA)
-    (tmp_path / "main.cpp").write_text(GEMM_CALLER)
-    run_checked(["nvcc", "-shared", "-Xcompiler", "-fPIC", str(tmp_path / "stub.c"),
-                 "-o", str(tmp_path / "libcuda.so")])
-    # host code only, no CUDA runtime: the header needs cuda.h and libcuda and nothing else
-    run_checked(["nvcc", "-cudart", "none", "-Xcompiler", "-Wall,-Wextra,-Werror", str(tmp_path / "main.cpp"),
-                 "-I", str(tmp_path), "-L", str(tmp_path), "-lcuda", "-o", str(tmp_path / "main")])
-    got = calls(run_checked([str(tmp_path / "main")], env={**os.environ, "LD_LIBRARY_PATH": str(tmp_path)}))
+    got = run_against_stub(tmp_path, STUB_GEMM_LIBCUDA, GEMM_CALLER)
     shared = geometry[1].dynamic_shared_bytes
     assert geometry[2].dynamic_shared_bytes == shared
     opt_in = f"set_attribute 0x1000 8 {shared}"  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import random
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ from mage_gen import interp
 from mage_gen.dtypes import BFLOAT16
 from mage_gen.errors import ConfigError
 from mage_gen.ops import get_op
-from mage_gen.ops.base import launch_args
+from mage_gen.ops.base import launch_args, refuse_working_args
 from mage_gen.ops.gemm_sm90 import counters, workspace_floats
 from mage_gen.resources import data_dir
 from mage_gen.space import draw, load_space
@@ -79,9 +80,10 @@ def test_units_are_slices_of_tiles_and_the_workspace_and_counters_are_arguments_
     assert [(a.name, a.kind) for a in args] == [("C", "out"), ("A", "in"), ("B", "in"), ("workspace", "scratch"),
                                                 ("counters", "zeroed")]
     assert args[3].elements == workspace_floats(shape, p) and args[4].elements == 64
-    working = OP.contract(shape, p)["working"]
+    contract = OP.contract(shape, p)
+    working = contract["working"]
     assert working["workspace"]["bytes"] == 4 * 2 * 64 * 64 * 64 and working["counters"]["elements"] == 64
-    assert "zero" in working["counters"]["contents"] and "slice order" in working["order"]
+    assert "zero" in working["counters"]["contents"] and "slice order" in contract["determinism"]
     text = OP.source(shape, p).text
     assert "float* __restrict__ workspace, unsigned* __restrict__ counters," in text
     assert OP.kernel_name(shape, p).endswith("_k2") and "split2" in p.label()
@@ -89,15 +91,61 @@ def test_units_are_slices_of_tiles_and_the_workspace_and_counters_are_arguments_
     assert "kb_begin = slice * 64 / 2, kb_end = (slice + 1) * 64 / 2" in text
 
 
-def test_emit_and_the_runtime_refuse_a_kernel_that_needs_a_workspace():
-    from mage_gen.emit import emit
+SPLIT_CALLER = r"""
+#include <stdio.h>
+#include "gemm_split.h"
 
+#define CALL(label, expr) do { printf("call %s\n", label); printf("result %d\n", (int)(expr)); } while (0)
+
+int main()
+{
+    CUfunction f = (CUfunction)0x1000;
+    CUstream s = (CUstream)0x2000;
+    unsigned short* c = (unsigned short*)0x100000;
+    const unsigned short* a = (const unsigned short*)0x200000;
+    const unsigned short* b = (const unsigned short*)0x300000;
+    float* workspace = (float*)0x400000;
+    unsigned int* counters = (unsigned int*)0x500000;
+    CALL("split", gemm_split_launch(f, c, a, b, workspace, counters, s));
+    CALL("misaligned_workspace", gemm_split_launch(f, c, a, b, workspace + 1, counters, s));
+    CALL("misaligned_counters", gemm_split_launch(f, c, a, b, workspace, (unsigned int*)0x500002, s));
+    return 0;
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+def test_the_emitted_header_takes_the_workspace_and_counters_after_b_and_states_their_contract(tmp_path):
+    from mage_gen.emit import emit
+    from test_emit import STUB_GEMM_LIBCUDA, run_against_stub
+
+    shape = OP.shape(m=16, n=4096, k=4096)
+    p = OP.params_from_dict({"bm": 64, "bn": 64, "consumers": 1, "grid": 132, "split_k": 2})
+    emit(OP, shape, p, "sm_90", tmp_path, None, stem="gemm_split")
+    doc = json.loads((tmp_path / "gemm_split.launch.json").read_text())
+    assert [(a["name"], a["type"]) for a in doc["args"][:5]] == [
+        ("C", "unsigned short*"), ("A", "const unsigned short*"), ("B", "const unsigned short*"),
+        ("workspace", "float*"), ("counters", "unsigned int*")]
+    assert doc["contract"]["working"]["counters"]["elements"] == 64
+    header = (tmp_path / "gemm_split.h").read_text()
+    assert f"//   workspace: float32 [{2 * 64 * 64 * 64}] ({4 * 2 * 64 * 64 * 64} bytes), scratch:" in header
+    assert "//   counters: uint32 [64] (256 bytes), all zero before the first launch" in header
+    assert "if ((CUdeviceptr)workspace % 16 != 0) return CUDA_ERROR_INVALID_VALUE;" in header
+    got = run_against_stub(tmp_path, STUB_GEMM_LIBCUDA, SPLIT_CALLER)
+    launch = OP.geometry(shape, p, {})
+    # the stub prints the fourth argument as a tensor map's first word: here the workspace's address
+    assert got["split"][-2:] == [f"launch 0x1000 grid {launch.grid[0]} 1 1 block 256 1 1 shared "
+                                 f"{launch.dynamic_shared_bytes} stream 0x2000 arg0 0x100000 map0 0x400000 extra (nil)",
+                                 "result 0"]
+    assert got["misaligned_workspace"] == got["misaligned_counters"] == ["result 1"]
+
+
+def test_the_runtime_refuses_a_kernel_that_needs_a_workspace_with_one_line():
     shape = OP.shape(m=256, n=256, k=256)
-    p = OP.params_from_dict({"split_k": 2})
-    with pytest.raises(ConfigError, match=r"^working-buffers: emit cannot yet hand this kernel the workspace "
+    with pytest.raises(ConfigError, match=r"^working-buffers: the runtime cannot yet hand this kernel the workspace "
                                           r"\(scratch, \d+ words\) and counters \(zeroed, 4 words\) its params need; "
                                           r"use params that need none \(split_k=1\)$"):
-        emit(OP, shape, p, "sm_90", None, None)
+        refuse_working_args(OP, shape, OP.params_from_dict({"split_k": 2}), "the runtime")
 
 
 @pytest.mark.parametrize("values", [{"split_k": 2}, {"split_k": 4, "bm": 64, "consumers": 1},

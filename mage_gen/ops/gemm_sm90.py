@@ -520,27 +520,29 @@ class GemmSm90(OpFamily):
                               "alignment_bytes": c_align},
                         "A": operand(shape.m, shape.k, shape.lda, "M×K"), "B": b},
             "aliasing": "C must not overlap A or B (no in-place use): every pointer is declared __restrict__",
-            **({"working": self._working(shape, p)} if p.split_k > 1 else {}),
+            **(self._working(shape, p) if p.split_k > 1 else {}),
             "scalars": {},
             "tensor_maps": {name: spec.to_dict() for name, spec in self.tensor_maps(shape, p).items()},
         }
 
 
     def _working(self, shape: Shape, p: Params) -> dict[str, Any]:
-        """What split K's extra arguments must be: their sizes, and what the kernel assumes and leaves of them."""
-        return {
+        """What split K's extra arguments must be (their sizes, what the kernel assumes and leaves of them), and the
+        order of its sums."""
+        working = {
             "workspace": {"dtype": "float32", "elements": workspace_floats(shape, p),
                           "bytes": 4 * workspace_floats(shape, p), "alignment_bytes": 16,
                           "contents": "scratch: any values on entry (each unit writes its partial before any unit "
                                       "reads it); not shared by two launches running at once"},
             "counters": {"dtype": "uint32", "elements": counters(shape, p), "bytes": 4 * counters(shape, p),
                          "alignment_bytes": 4,
-                         "contents": "all zero before the first launch (e.g. cudaMemset once); every launch leaves "
+                         "contents": "all zero before the first launch (cuMemsetD32 once); every launch leaves "
                                      "them zero again, so that the next needs no memset; not shared by two launches "
                                      "running at once"},
-            "order": f"each tile is the sum of its {p.split_k} partials in slice order, whichever unit finishes last: "
-                     "the same bits every launch",
         }
+        return {"working": working,
+                "determinism": f"each tile of C is the sum of its {p.split_k} partials (slices of K) in slice order, "
+                               "whichever finishes last: the same bits every launch"}
 
 
 OP = GemmSm90()
