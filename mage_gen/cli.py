@@ -209,7 +209,9 @@ def _passes_summary(c: Census) -> str:
 _HOPPER_ROWS = {"wgmma": "wgmma", "tma": "TMA copies", "mbarrier": "mbarrier", "bulk.commit_group": "bulk groups",
                 "bulk.wait_group": "bulk groups", "fence.proxy.async": "fences", "fence.mbarrier_init": "fences",
                 "setmaxnreg.inc": "setmaxnreg", "setmaxnreg.dec": "setmaxnreg", "cluster": "cluster", "mapa": "cluster",
-                "stmatrix": "stmatrix", "prefetch.tensormap": "tensor maps", "trap": "watchdog traps"}
+                "stmatrix": "stmatrix", "prefetch.tensormap": "tensor maps", "trap": "watchdog traps",
+                # ordering across CTAs (split K): its atomics and gpu-scope fences
+                "atom": "atomics", "red": "atomics", "fence": "fences", "membar": "fences"}
 
 
 def _hopper_rows(c: Census) -> list[tuple[str, str]]:

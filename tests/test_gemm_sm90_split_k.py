@@ -231,3 +231,16 @@ def test_drawn_split_configs_pass_the_interpreters_gate(data):
         reject()
     result = interp.gate(OP, shape, build(OP, shape, params, "sm_90"), {}, np.random.default_rng(0))
     assert result.passed, f"{params.label()} at {shape}: {result.reason}"
+
+
+def test_inspect_lists_a_split_kernels_atomics_and_fences():
+    from test_cli import mage_gen
+
+    done = mage_gen("inspect", "gemm_sm90", "--m", "16", "--n", "4096", "--k", "4096", "--config",
+                    "bm=64,bn=64,consumers=1,split_k=2", "--json")
+    assert done.returncode == 0, done.stderr
+    hopper = json.loads(done.stdout)["census"]["hopper"]
+    assert hopper["atom.relaxed.gpu.global.add.u32"] == 1 and hopper["fence.acq_rel.gpu"] == 2
+    table = mage_gen("inspect", "gemm_sm90", "--m", "16", "--n", "4096", "--k", "4096", "--config",
+                     "bm=64,bn=64,consumers=1,split_k=2")
+    assert table.returncode == 0 and "atomics" in table.stdout, table.stderr
