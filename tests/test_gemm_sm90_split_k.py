@@ -89,6 +89,9 @@ def test_units_are_slices_of_tiles_and_the_workspace_and_counters_are_arguments_
     assert OP.kernel_name(shape, p).endswith("_k2") and "split2" in p.label()
     # the slices of K's 64 steps: 0-31 and 32-63
     assert "kb_begin = slice * 64 / 2, kb_end = (slice + 1) * 64 / 2" in text
+    # at M = 16 only the first 16 rows of a 64-row tile go through the workspace: the other warps store and sum none
+    assert text.count("if (part_row + 0 < 16)") == 2
+    assert "part_row" not in OP.source(OP.shape(m=128, n=4096, k=4096), p).text
 
 
 SPLIT_CALLER = r"""
