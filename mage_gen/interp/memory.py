@@ -281,8 +281,12 @@ class Shared:
         r = self.reader[idx]
         self.reader[idx] = t
         multi = (self.reader[idx] != t) | ((r != NONE) & (r != t))
-        bits = np.uint64(1) << (t // 32).astype(np.uint64)
-        np.bitwise_or.at(self.reader_warps, idx.ravel(), bits.ravel())
+        warps = t // 32
+        first = int(warps.flat[0]) if warps.size else 0
+        if (warps == first).all():  # one warp's read (a load always is): one bit, duplicates harmless
+            self.reader_warps[idx] |= np.uint64(1) << np.uint64(first)
+        else:
+            np.bitwise_or.at(self.reader_warps, idx.ravel(), (np.uint64(1) << warps.astype(np.uint64)).ravel())
         if multi.any():
             self.reader[idx[multi]] = MANY
         return self.words[idx]
