@@ -8,13 +8,14 @@ import random
 import re
 import tomllib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from mage_gen.compile import arch_number
 from mage_gen.errors import ConfigError
 from mage_gen.ops import Op
+from mage_gen.ops.base import OpFamily
 from mage_gen.resources import data_dir
 
 
@@ -101,13 +102,26 @@ def _first(path: Path, spec: dict[str, Any]) -> tuple[tuple[tuple[str, Any], ...
 def expand(op: Op, shape: Any, space: Space, arch: str | None = None) -> tuple[list[Any], list[tuple[Any, str]]]:
     """Every combination of the space for this shape, split into valid params and (params, rule broken); with
     arch, a config whose instructions that arch lacks (l2_ahead's sm_90 prefetch) is rejected too."""
-    valid, rejected = [], []
+    return _expand(op, shape, space, arch, keep_rejected=True)
+
+
+def valid_params(op: Op, shape: Any, space: Space, arch: str | None = None) -> list[Any]:
+    """expand's valid params alone, without making the rejected ones: a full preset rejects 10⁷ combinations."""
+    return _expand(op, shape, space, arch, keep_rejected=False)[0]
+
+
+def _expand(op: Op, shape: Any, space: Space, arch: str | None,
+            keep_rejected: bool) -> tuple[list[Any], list[tuple[Any, str]]]:
     make = _checked_maker(op, space)
+    # validate is the op's rule table, over a dataclass
+    if getattr(op.validate, "__func__", None) is OpFamily.validate and is_dataclass(op.params_type) and space.axes:
+        return _expand_by_rules(op, shape, space, arch, keep_rejected)
+    valid, rejected = [], []
     for values in space.combinations():
         params = make(values)
         if (reason := rejection(op, shape, params, arch)) is None:
             valid.append(params)
-        else:
+        elif keep_rejected:
             rejected.append((params, reason))
     return valid, rejected
 
@@ -118,9 +132,140 @@ def rejection(op: Op, shape: Any, params: Any, arch: str | None = None) -> str |
         op.validate(shape, params)
     except ConfigError as exc:
         return str(exc)
+    return _arch_rejection(op, shape, params, arch)
+
+
+def _arch_rejection(op: Op, shape: Any, params: Any, arch: str | None) -> str | None:
     if arch and (needed := op.min_arch_of(shape, params)) > arch_number(arch):
         return f"arch: {op.kernel_name(shape, params)} needs sm_{needed}, not {arch}"
     return None
+
+
+# the most combinations of the last axes held as dicts at once, for a sub-product rejected (or accepted) whole
+_TAILS_HELD = 4096
+# a sub-product of at most this many combinations whose rules are not yet decided is checked config by config
+_CHECKED_ONE_BY_ONE = 64
+
+
+class _Unassigned(BaseException):
+    """A rule read a field that a partial config has not been given yet (BaseException: no rule's own `except
+    Exception` may take it for an answer)."""
+
+
+_UNDECIDED = object()
+
+
+def _partial_type(params_type: type) -> type:
+    """A subclass of the op's Params whose instances may hold only some fields: reading a missing one raises
+    _Unassigned, so a rule that reads none of them gives the answer it gives for every completion."""
+    names = frozenset(f.name for f in fields(params_type))
+
+    def __getattribute__(self: Any, name: str) -> Any:
+        if name in names:
+            given = object.__getattribute__(self, "__dict__")
+            if name not in given:
+                raise _Unassigned(name)
+            return given[name]
+        return object.__getattribute__(self, name)
+
+    return type(f"Partial{params_type.__name__}", (params_type,), {"__getattribute__": __getattribute__})
+
+
+def _decided(function: Callable[..., Any], shape: Any, partial: Any) -> Any:
+    """function(shape, partial), or _UNDECIDED where it reads a field not given (or fails: the full config then
+    meets the same rule through op.validate, which raises as it always did)."""
+    try:
+        return function(shape, partial)
+    except (_Unassigned, Exception):
+        return _UNDECIDED
+
+
+def _expand_by_rules(op: Op, shape: Any, space: Space, arch: str | None,
+                     keep_rejected: bool) -> tuple[list[Any], list[tuple[Any, str]]]:
+    """expand for an op whose validate is its rule table (OpFamily.validate), with the same lists in the same order.
+    The axes are assigned one at a time, in the order space.combinations() varies them, and each rule is asked of the
+    partial config once its answer no longer depends on the axes still open: where the first rule broken, and its
+    message, are decided by the axes given so far, every combination of the rest is rejected with that message
+    without checking each (a full preset of 10⁷ combinations is mostly such sub-products: the full layernorm preset
+    at d = 768 took 138 s checked config by config, about 70 s so, most of it making the 1.4·10⁷ Params)."""
+    names = [name for name, _ in space.axes]
+    axes = [values for _, values in space.axes]
+    params_type = op.params_type  # as _checked_maker makes them, every axis value having passed its checks
+    partial_type = _partial_type(params_type)
+
+    def partial_of(given: dict[str, Any]) -> Any:
+        partial = object.__new__(partial_type)
+        partial.__dict__.update(given)
+        return partial
+
+    # A rule that holds for each value of one axis whatever the others are (most check that a value is one the
+    # op knows) holds for every combination: it can break none, so it is left out rather than left to block the
+    # rules after it until its axis is given.
+    def holds_everywhere(rule: Any) -> bool:
+        return any(all(_decided(rule.holds, shape, partial_of({name: value})) is True for value in values)
+                   for name, values in space.axes)
+
+    rules = [rule for rule in op.rules if not holds_everywhere(rule)]
+    valid: list[Any] = []
+    rejected: list[tuple[Any, str]] = []
+
+    def file(params: Any, reason: str | None) -> None:
+        if reason is None:
+            valid.append(params)
+        elif keep_rejected:
+            rejected.append((params, reason))
+
+    # the combinations of the axes from each depth on, as dicts, where there are few enough to hold
+    behind = [math.prod(len(values) for values in axes[depth:]) for depth in range(len(axes) + 1)]
+    tails: dict[int, list[dict[str, Any]]] = {}
+
+    def every(depth: int, given: dict[str, Any]) -> Iterator[Any]:
+        if behind[depth] > _TAILS_HELD:
+            for value in axes[depth]:
+                yield from every(depth + 1, {**given, names[depth]: value})
+            return
+        if depth not in tails:
+            tails[depth] = [dict(zip(names[depth:], values)) for values in itertools.product(*axes[depth:])]
+        for rest in tails[depth]:
+            yield params_type(**given, **rest)
+
+    def walk(depth: int, given: dict[str, Any], holding: int, broken: int | None) -> None:
+        # rules[:holding] hold for every completion of `given`; broken: the first rule every completion breaks
+        partial = partial_of(given)
+        if broken is None:
+            while holding < len(rules):
+                holds = _decided(rules[holding].holds, shape, partial)
+                if holds is _UNDECIDED:
+                    break
+                if not holds:
+                    broken = holding
+                    break
+                holding += 1
+        if broken is not None:
+            message = _decided(rules[broken].message, shape, partial)
+            if message is not _UNDECIDED:
+                if keep_rejected:
+                    reason = f"{rules[broken].name}: {message}"
+                    rejected.extend((params, reason) for params in every(depth, given))
+                return
+        elif holding == len(rules):
+            for params in every(depth, given):
+                file(params, _arch_rejection(op, shape, params, arch))
+            return
+        if behind[depth] > _CHECKED_ONE_BY_ONE:
+            for value in axes[depth]:
+                walk(depth + 1, {**given, names[depth]: value}, holding, broken)
+            return
+        # few configs left: each is made and the rules not yet decided are asked of it, as validate asks them, which
+        # costs less than partial configs on the way to it
+        for params in every(depth, given):
+            broken_here = rules[broken] if broken is not None else next(
+                (rule for rule in rules[holding:] if not rule.holds(shape, params)), None)
+            file(params, _arch_rejection(op, shape, params, arch) if broken_here is None
+                 else f"{broken_here.name}: {broken_here.message(shape, params)}")
+
+    walk(0, {}, 0, None)
+    return valid, rejected
 
 
 def _checked_maker(op: Op, space: Space) -> Callable[[dict[str, Any]], Any]:

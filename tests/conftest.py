@@ -21,6 +21,14 @@ def pytest_unconfigure(config):
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, every GPU test on one worker, one at a time: a kernel timed beside another test's would
+    be timed wrong, and the device fixture opens the GPU once per module there."""
+    for item in items:
+        if item.get_closest_marker("gpu") or "device" in item.fixturenames:
+            item.add_marker(pytest.mark.xdist_group("gpu"))
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _private_compile_cache(tmp_path_factory):
     """Tests compile into their own cache so that a cold cache is really cold and nothing leaks out."""

@@ -251,7 +251,7 @@ def interrupt_a_parallel_compile(cache, after_s: float, interrupts: int = 1, how
     # SIGINT at its default, as a terminal gives it: a test run started in the background (`cmd &`) inherits it
     # ignored, and so would the command, which then rightly ignores Ctrl-C
     # the long preset: a thousand variants, minutes of compiling, and a space expanded in a moment (the full one
-    # takes two minutes before the first compile)
+    # takes a minute before the first compile)
     proc = subprocess.Popen([sys.executable, "-m", "mage_gen", "variants", "layernorm", "--d", "1000", "--preset",
                              "long"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))

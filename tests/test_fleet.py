@@ -19,6 +19,8 @@ import pytest
 
 RECORDING = Path(__file__).parent / "fixtures" / "layernorm_trials_h200_d768_m4096.json"
 PASSWORD = "mage-gen-test"
+# one PostgreSQL cluster (the module fixture) for all of them, under pytest-xdist too
+pytestmark = pytest.mark.xdist_group("fleet")
 
 
 def postgres_bin(tool: str) -> str:

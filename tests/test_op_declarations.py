@@ -13,6 +13,7 @@ from mage_gen import runtime
 from mage_gen.errors import ConfigError
 from mage_gen.ops import FAMILIES, OPS, get_op
 from mage_gen.ops.base import LazyFunction, OpFamily, Rule, check_rules
+from mage_gen.space import expand, load_space, rejection, valid_params
 
 ROOT = Path(__file__).resolve().parent.parent
 # A shape each op is typically asked for
@@ -196,6 +197,30 @@ def test_each_ops_rules_report_the_earlier_of_two_broken_rules(name, values, say
     with pytest.raises(ConfigError) as caught:
         op.validate(shape, params)
     assert str(caught.value).startswith(says), str(caught.value)
+
+
+@pytest.mark.parametrize("name, dims, preset", [
+    ("layernorm", {"d": 1000}, "long"),
+    ("layernorm", {"d": 4096, "dtype": "bfloat16", "residual": True}, "short"),
+    ("rmsnorm", {"d": 8192, "dtype": "bfloat16"}, "long"),
+    ("matmul", {"m": 1000, "n": 1000, "k": 1000}, "explore"),
+    ("matmul_tc", {"m": 64, "n": 64, "k": 64}, "quick"),
+    ("gemm_sm90", {"m": 4096, "n": 4096, "k": 4096}, "quick"),
+])
+def test_expand_gives_what_validate_gives_config_by_config(name, dims, preset):
+    # expand asks the rules of partial configs and rejects whole sub-products at once: the same lists, in the same
+    # order, with the same first broken rule, as checking each combination; valid_params, the valid ones alone
+    op = get_op(name)
+    shape = op.shape(**dims)
+    space = load_space(op, preset, shape, sms=132)
+    for arch in (None, "sm_80"):
+        each = [(p, rejection(op, shape, p, arch)) for p in map(op.params_from_dict, space.combinations())]
+        valid, rejected = expand(op, shape, space, arch)
+        assert valid == [p for p, reason in each if reason is None]
+        assert valid or arch  # gemm_sm90's are sm_90 kernels
+        assert rejected == [(p, reason) for p, reason in each if reason is not None]
+        assert len({reason for _, reason in rejected}) > 5
+        assert valid_params(op, shape, space, arch) == valid
 
 
 @pytest.mark.parametrize("name", ["layernorm", "rmsnorm"])

@@ -17,6 +17,8 @@ import pytest
 RECORDING = Path(__file__).parent / "fixtures" / "layernorm_trials_h200_d768_m4096.json"
 STUDY = "replay-report"
 FIGURES = {"progress.png", "hot_cold.png", "importance.png", "parameters.png", "census.png", "limit.png"}
+# one replayed study (the module fixture) for all of them, under pytest-xdist too
+pytestmark = pytest.mark.xdist_group("report")
 
 
 def needs(tool: str) -> str:

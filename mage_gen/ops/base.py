@@ -121,6 +121,11 @@ class OpFamily:
     # what each of the shape's fields (sizes at generation and at launch, and options) means for this op, as the
     # command line's help gives it
     field_help: Mapping[str, str] = {}
+    # the rules a (shape, params) must keep, in the order they are checked: validate reports the first one broken
+    rules: tuple[Rule, ...] = ()
+
+    def validate(self, shape: Any, params: Any) -> None:
+        check_rules(self.rules, shape, params)
 
     def peers(self, shape: Any, inputs: dict[str, np.ndarray], eps: float, inductor: bool,
               tensor_of: Callable[[str, DType], Any], output_of: Callable[..., Any]) -> dict[str, Any]:

@@ -310,6 +310,7 @@ class GemmSm90(OpFamily):
     name = "gemm_sm90"
     tolerance = 1e-6
     params_type = Params
+    rules = _RULES
     shape_dims = ("m", "n", "k")
     run_dims: tuple[str, ...] = ()
     run_defaults: dict[str, int] = {}
@@ -354,9 +355,6 @@ class GemmSm90(OpFamily):
 
     def fit_space(self, shape: Shape, axes: dict[str, tuple]) -> dict[str, tuple]:
         return axes
-
-    def validate(self, shape: Shape, p: Params) -> None:
-        check_rules(_RULES, shape, p)
 
     def watchdog_s(self, p: Params) -> float:
         """Seconds a wait on an mbarrier may last before the kernel traps (measure reports such a failure as a hang)."""

@@ -36,7 +36,7 @@ import numpy as np
 from mage_gen.dtypes import FLOAT32, DType
 from mage_gen.dtypes import dtype as element_type
 from mage_gen.errors import ConfigError
-from mage_gen.ops.base import (Arg, LazyFunction, Launch, OpFamily, Rule, check_rules, params_dict, params_from,
+from mage_gen.ops.base import (Arg, LazyFunction, Launch, OpFamily, Rule, params_dict, params_from,
                                public_params_from, register_cap)
 from mage_gen.render import Source, render
 
@@ -390,9 +390,6 @@ class LayerNorm(OpFamily):
 
     def params_to_dict(self, params: Params) -> dict[str, Any]:
         return params_dict(params)
-
-    def validate(self, shape: Shape, p: Params) -> None:
-        check_rules(self.rules, shape, p)
 
     def params_from_format_2(self, params: dict[str, Any], shape: dict[str, Any]) -> dict[str, Any]:
         """Format 2 counted `vector` in elements of the activations (fp32 where the shape does not say)."""

@@ -17,7 +17,7 @@ import numpy as np
 
 from mage_gen.dtypes import FLOAT32, DType
 from mage_gen.errors import ConfigError
-from mage_gen.ops.base import (Arg, LazyFunction, Rule, TiledProduct, check_rules, params_dict, params_from,
+from mage_gen.ops.base import (Arg, LazyFunction, Rule, TiledProduct, params_dict, params_from,
                                public_params_from, register_cap)
 from mage_gen.render import Source, render
 
@@ -197,6 +197,7 @@ class Matmul(TiledProduct):
     name = "matmul"
     tolerance = 1e-4  # fp32 FMA lands near 1e-6 here; TF32 would land near 3e-4 and fail
     params_type = Params
+    rules = _RULES
     shape_dims = ("m", "n", "k")
     run_dims: tuple[str, ...] = ()
     run_defaults: dict[str, int] = {}
@@ -235,9 +236,6 @@ class Matmul(TiledProduct):
 
     def params_to_dict(self, params: Params) -> dict[str, Any]:
         return params_dict(params, hidden=_HIDDEN)
-
-    def validate(self, shape: Shape, p: Params) -> None:
-        check_rules(_RULES, shape, p)
 
     def shared_bytes(self, shape: Shape, p: Params) -> int:
         return _shared_bytes(p)

@@ -50,7 +50,7 @@ import numpy as np
 
 from mage_gen.dtypes import BFLOAT16, FLOAT32, DType
 from mage_gen.errors import ConfigError
-from mage_gen.ops.base import (Arg, LazyFunction, Rule, TiledProduct, check_rules, params_dict, params_from,
+from mage_gen.ops.base import (Arg, LazyFunction, Rule, TiledProduct, params_dict, params_from,
                                public_params_from, register_cap)
 from mage_gen.render import Source, render
 
@@ -265,6 +265,7 @@ class MatmulTC(TiledProduct):
     name = "matmul_tc"
     tolerance = 1e-4  # an fp32 result's, as the fp32 matmul's: fp32x3 is held to it (the rest: tolerance_of)
     params_type = Params
+    rules = _RULES
     shape_dims = ("m", "n", "k")
     shape_options = ("precision",)  # --config precision=tf32
     run_dims: tuple[str, ...] = ()
@@ -312,9 +313,6 @@ class MatmulTC(TiledProduct):
 
     def params_to_dict(self, params: Params) -> dict[str, Any]:
         return params_dict(params, hidden=_HIDDEN)
-
-    def validate(self, shape: Shape, p: Params) -> None:
-        check_rules(_RULES, shape, p)
 
     @staticmethod
     def wide_row(mt_index: int, group: int, half: int, b_group: int) -> list[str]:
