@@ -1,0 +1,114 @@
+"""GEMM where models spend their time: mage-gen's Hopper GEMM (gemm_sm90) against cuBLAS and Triton at the linear
+layers of Llama-3-8B and 70B, M ∈ {16, 128, 512, 2048, 8192} tokens, bf16 in, fp32 sums, C bf16, B given N×K (an
+nn.Linear weight). Hot and cold in interleaved rounds paired by round, TFLOP/s and the share of cuBLAS's
+throughput, every kernel and peer gated first (bench/gemm_sm90.py's bench_one). Each shape runs this GPU's tuned
+winner (--tune-missing tunes one first, with --preset; --untuned takes the op's default config). The result file
+is rewritten after every shape, so a run cut short keeps what it measured. Writes
+bench/results/<gpu>/gemm_llm.json.
+
+    python -m bench.gemm_llm --model 8b --m 16 --m 128 --tune-missing --preset skinny
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from mage_gen import gpu
+from mage_gen.errors import StoreError
+from mage_gen.ops import get_op
+
+from bench._common import geomean, provenance, timing_method, winner_params, write_result
+from bench.gemm_sm90 import PER_ROUND, ROUNDS, bench_one
+
+TOKENS = (16, 128, 512, 2048, 8192)
+# (N, K) of each linear layer: the weight's rows and columns
+LAYERS = {
+    "8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
+    "70b": {"qkv": (10240, 8192), "o": (8192, 8192), "gate_up": (57344, 8192), "down": (8192, 28672)},
+}
+# The figures a bf16 sweep must reach, as shares of cuBLAS's hot throughput (1 / the paired rounds' median time)
+GEOMEAN_TARGET, FLOOR_TARGET = 1.05, 0.95
+
+
+def choose(op, shape, device, tune_missing: bool, untuned: bool, preset: str | None):
+    """(params, how they were chosen)."""
+    flags = ["--m", str(shape.m), "--n", str(shape.n), "--k", str(shape.k), "--precision", shape.precision,
+             *(["--preset", preset] if preset else [])]
+    try:
+        return winner_params(op, shape, device, tune_missing, flags), "tuned"
+    except StoreError:
+        if not untuned:
+            raise
+    params = op.params_from_dict(op.defaults(shape))
+    op.validate(shape, params)
+    return params, "untuned: the op's default config"
+
+
+def share(row: dict, method: str) -> float | None:
+    ratio = row.get("time_over_cublas_by_round", {}).get(method, {}).get("mage-gen")
+    return 1 / ratio["median"] if ratio else None
+
+
+def summarize(rows: list[dict], complete: bool, whole: bool) -> dict:
+    """complete: every case of this run measured; whole: the run's cases are the whole sweep (every model and
+    token count), the only run that can meet the targets."""
+    hot = [s for s in (share(r, "hot") for r in rows) if s is not None]
+    cold = [s for s in (share(r, "cold") for r in rows) if s is not None]
+    below = [f"{r['model']} {r['layer']} M={r['m']}" for r in rows if (share(r, "hot") or 0) < FLOOR_TARGET]
+    every = whole and complete and len(hot) == len(rows)  # the whole sweep measured, every shape gated
+    targets = {f"bf16 geomean >= {GEOMEAN_TARGET}x cuBLAS hot": every and geomean(hot) >= GEOMEAN_TARGET,
+               f"no bf16 shape below {FLOOR_TARGET}x cuBLAS hot": every and not below,
+               "fp8 geomean >= 1.00x torch._scaled_mm": False}
+    return {"sweep": "whole" if whole else "part (--model or --m)", "complete": complete, "shapes": len(rows),
+            "gated": len(hot),
+            "bf16 hot share of cuBLAS, geomean": geomean(hot), "bf16 hot share, lowest": min(hot, default=None),
+            "bf16 cold share of cuBLAS, geomean": geomean(cold), f"below {FLOOR_TARGET} hot": below,
+            "targets": targets, "fp8": "not built: gemm_sm90 takes bf16 A and B only",
+            "all_targets_met": all(targets.values()),
+            "untuned": [f"{r['m']}x{r['n']}x{r['k']}" for r in rows if r["chosen"] != "tuned"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=[*LAYERS, "all"], default="all")
+    parser.add_argument("--m", type=int, action="append", help=f"tokens (default: {', '.join(map(str, TOKENS))})")
+    parser.add_argument("--tune-missing", action="store_true", help="tune a shape that has no winner in tuned/")
+    parser.add_argument("--preset", help="the search preset --tune-missing tunes over (default: the op's)")
+    parser.add_argument("--untuned", action="store_true", help="bench the default config where nothing is tuned")
+    parser.add_argument("--out", default="gemm_llm.json", help="result file name under bench/results/<gpu>/")
+    args = parser.parse_args()
+    if any(m < 1 for m in args.m or ()):
+        parser.error("--m takes a positive number of tokens")
+    op = get_op("gemm_sm90")
+    device = gpu.open_device()
+    models = list(LAYERS) if args.model == "all" else [args.model]
+    cases = [(model, layer, m, n, k) for model in models for m in args.m or TOKENS
+             for layer, (n, k) in LAYERS[model].items()]
+    rows: list[dict] = []
+    for done, (model, layer, m, n, k) in enumerate(cases, 1):
+        shape = op.shape(m=m, n=n, k=k)
+        params, chosen = choose(op, shape, device, args.tune_missing, args.untuned, args.preset)
+        row = {"model": model, "layer": layer, **bench_one(op, shape, params, chosen, device)}
+        rows.append(row)
+        hot, cold = share(row, "hot"), share(row, "cold")
+        print(f"[{done}/{len(cases)}] {model} {layer:7} {m}x{n}x{k}: "
+              + (f"share of cuBLAS hot {hot:.4f} cold {cold:.4f} ({chosen})" if hot and cold
+                 else f"FAILED GATE {row['gate']['reason']}"), flush=True)
+        doc = {
+            "what": "mage-gen's Hopper GEMM against cuBLAS and Triton at Llama-3's linear layers, recorded by "
+                    "bench/gemm_llm.py",
+            "method": {**timing_method(ROUNDS, PER_ROUND),
+                       "gate": "bench/gemm_sm90.py's: fresh inputs, a NaN-poisoned fenced output against float64",
+                       "share": "cuBLAS's time over ours by round, the median of the rounds (paired)",
+                       "cublas": "torch.matmul(A, B.t()) with bf16 A, B and C (F.linear's product)"},
+            **provenance(device), "shapes": rows, "summary": summarize(rows, done == len(cases), args.model == "all" and not args.m),
+        }
+        out = write_result(device, args.out, json.dumps(doc, indent=1) + "\n")
+    print(json.dumps(doc["summary"], indent=1))
+    print(f"wrote {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
