@@ -48,6 +48,20 @@ def parse_shape(text: str) -> tuple[int, int, int]:
     return m, n, k
 
 
+def product_params(op, shape, device, tune_missing: bool, untuned: bool, tune_flags: list[str]):
+    """A matrix product's (params, how they were chosen): this GPU's tuned winner (tuned first with `tune_flags`
+    where asked), or with untuned the op's default config where none is stored."""
+    flags = ["--m", str(shape.m), "--n", str(shape.n), "--k", str(shape.k), *tune_flags]
+    try:
+        return winner_params(op, shape, device, tune_missing, flags), "tuned"
+    except StoreError:
+        if not untuned:
+            raise
+    params = op.params_from_dict(op.defaults(shape))
+    op.validate(shape, params)
+    return params, "untuned: the op's default config"
+
+
 def norm_case(text: str) -> tuple[str, bool, int, int]:
     """OP[+res]:MxD, as the norms' probes take a shape on their command line -> (op name, residual, m, d)."""
     op, _, dims = text.partition(":")

@@ -16,10 +16,9 @@ import json
 import sys
 
 from mage_gen import gpu
-from mage_gen.errors import StoreError
 from mage_gen.ops import get_op
 
-from bench._common import geomean, provenance, timing_method, winner_params, write_result
+from bench._common import geomean, product_params, provenance, timing_method, write_result
 from bench.gemm_sm90 import PER_ROUND, ROUNDS, bench_one
 
 TOKENS = (16, 128, 512, 2048, 8192)
@@ -30,20 +29,6 @@ LAYERS = {
 }
 # The figures a bf16 sweep must reach, as shares of cuBLAS's hot throughput (1 / the paired rounds' median time)
 GEOMEAN_TARGET, FLOOR_TARGET = 1.05, 0.95
-
-
-def choose(op, shape, device, tune_missing: bool, untuned: bool, preset: str | None):
-    """(params, how they were chosen)."""
-    flags = ["--m", str(shape.m), "--n", str(shape.n), "--k", str(shape.k), "--precision", shape.precision,
-             *(["--preset", preset] if preset else [])]
-    try:
-        return winner_params(op, shape, device, tune_missing, flags), "tuned"
-    except StoreError:
-        if not untuned:
-            raise
-    params = op.params_from_dict(op.defaults(shape))
-    op.validate(shape, params)
-    return params, "untuned: the op's default config"
 
 
 def share(row: dict, method: str) -> float | None:
@@ -86,10 +71,11 @@ def main() -> None:
     models = list(LAYERS) if args.model == "all" else [args.model]
     cases = [(model, layer, m, n, k) for model in models for m in args.m or TOKENS
              for layer, (n, k) in LAYERS[model].items()]
+    tune_flags = ["--precision", "bf16", *(["--preset", args.preset] if args.preset else [])]
     rows: list[dict] = []
     for done, (model, layer, m, n, k) in enumerate(cases, 1):
         shape = op.shape(m=m, n=n, k=k)
-        params, chosen = choose(op, shape, device, args.tune_missing, args.untuned, args.preset)
+        params, chosen = product_params(op, shape, device, args.tune_missing, args.untuned, tune_flags)
         row = {"model": model, "layer": layer, **bench_one(op, shape, params, chosen, device)}
         rows.append(row)
         hot, cold = share(row, "hot"), share(row, "cold")

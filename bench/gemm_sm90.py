@@ -27,7 +27,7 @@ from mage_gen.peers import make_peers
 from mage_gen.timing import round_ratio
 from mage_gen.variants import build
 
-from bench._common import parse_shape, provenance, timing_method, winner_params, write_result
+from bench._common import parse_shape, product_params, provenance, timing_method, winner_params, write_result
 
 SHAPES = [(2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192)]
 ROUNDS, PER_ROUND = 8, 5
@@ -38,19 +38,6 @@ TIE_FLOOR = 0.99
 # Nsight Compute's utilization of the tensor pipes, by whatever name this ncu gives them
 NCU_METRICS = "regex:sm__pipe_tensor_op.*pct_of_peak_sustained_active"
 NCU_KEPT = "sm__pipe_tensor_op_hmma_cycles_active."  # HMMA, HGMMA and QGMMA: the pipe bf16 wgmma runs on
-
-
-def choose(op, shape, device, tune_missing: bool, untuned: bool):
-    """(params, how they were chosen)."""
-    flags = ["--m", str(shape.m), "--n", str(shape.n), "--k", str(shape.k), "--precision", shape.precision]
-    try:
-        return winner_params(op, shape, device, tune_missing, flags), "tuned"
-    except StoreError:
-        if not untuned:
-            raise
-    params = op.params_from_dict(op.defaults(shape))
-    op.validate(shape, params)
-    return params, "untuned: the op's default config"
 
 
 def mma_sync_subject(shape, inputs: dict[str, np.ndarray], device):
@@ -182,7 +169,8 @@ def main() -> None:
     rows = []
     for m, n, k in args.shape or SHAPES:
         shape = op.shape(m=m, n=n, k=k)
-        params, chosen = choose(op, shape, device, args.tune_missing, args.untuned)
+        params, chosen = product_params(op, shape, device, args.tune_missing, args.untuned,
+                                        ["--precision", shape.precision])
         row = bench_one(op, shape, params, chosen, device)
         if args.ncu and "timings" in row:
             row["ncu_tensor_pipe"] = {"mage-gen": tensor_pipe(shape, op.params_to_dict(params)),

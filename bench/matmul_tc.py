@@ -23,7 +23,6 @@ import numpy as np
 import torch
 
 from mage_gen import gpu
-from mage_gen.errors import StoreError
 from mage_gen.measure import Bench, interleave
 from mage_gen.verdict import relative_error
 from mage_gen.ops import get_op
@@ -31,7 +30,7 @@ from mage_gen.peers import make_peers
 from mage_gen.store import gpu_slug
 from mage_gen.variants import build
 
-from bench._common import parse_shape, provenance, timing_method, winner_params, write_result
+from bench._common import parse_shape, product_params, provenance, timing_method, winner_params, write_result
 
 SHAPES = [(1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192), (4096, 512, 1024),
           (1000, 1000, 1000)]
@@ -46,19 +45,6 @@ ERROR_TARGET = 2.0  # fp32x3's relative error over SGEMM's, at most
 def error_of(out: np.ndarray, ref: np.ndarray) -> dict:
     return {"max_abs_error": float(np.max(np.abs(out.astype(np.float64) - ref))),
             "relative_error": relative_error(out.astype(np.float32), ref)}
-
-
-def choose(op, shape, device, tune_missing: bool, untuned: bool):
-    """(params, how they were chosen)."""
-    flags = ["--m", str(shape.m), "--n", str(shape.n), "--k", str(shape.k), "--config", f"precision={shape.precision}"]
-    try:
-        return winner_params(op, shape, device, tune_missing, flags), "tuned"
-    except StoreError:
-        if not untuned:
-            raise
-    params = op.params_from_dict(op.defaults(shape))
-    op.validate(shape, params)
-    return params, "untuned: the op's default config"
 
 
 def bench_one(op, shape, params, chosen: str, device) -> dict:
@@ -156,7 +142,8 @@ def main() -> None:
     for precision in args.precision or PRECISIONS:
         for m, n, k in args.shape or SHAPES:
             shape = op.shape(m=m, n=n, k=k, precision=precision)
-            params, chosen = choose(op, shape, device, args.tune_missing, args.untuned)
+            params, chosen = product_params(op, shape, device, args.tune_missing, args.untuned,
+                                            ["--config", f"precision={shape.precision}"])
             rows.append(bench_one(op, shape, params, chosen, device))
             r = rows[-1]
             if "timings" not in r:
