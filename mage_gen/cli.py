@@ -29,7 +29,7 @@ from mage_gen.emit import check_out_dir, emit, shape_arguments
 from mage_gen.errors import MageError, NoGpuError
 from mage_gen.ops import OPS, Op, get_op
 from mage_gen.ops.base import shape_dict
-from mage_gen.space import expand, load_space, preset_names
+from mage_gen.space import load_space, preset_names, tally, valid_params
 from mage_gen.store import (Winner, check_can_save, current_winners, entry_key, load_winners, pick_winner, save_entry,
                             shape_entries, stored_axes, stored_params, tuned_dirs, tuned_shapes)
 from mage_gen.timing import OBJECTIVES, Timing, by_objective
@@ -327,10 +327,11 @@ def variants(
             space = load_space(op, preset, shape, sms=int(_gpu_facts()["sms"]))
         except NoGpuError:
             left_out = "; configs whose grid is given per SM left out (no GPU here: give --sms)"
-    valid, rejected = expand(op, shape, space, arch)
+    counted = tally(op, shape, space, arch)
+    valid = counted.valid
     if not valid:
         raise MageError(f"space: no config of preset {space.preset} is valid for {op.name} {shape_dict(shape)}; first "
-                        f"rejection: {rejected[0][1] if rejected else 'none'}; try a wider --preset ({_PRESETS})")
+                        f"rejection: {counted.first_rejection or 'none'}; try a wider --preset ({_PRESETS})")
     valid_count = len(valid)
     if limit is not None and limit < len(valid):
         valid = valid[::-(-len(valid) // limit)][:limit]
@@ -342,7 +343,7 @@ def variants(
     started, cached, rows = time.monotonic(), 0, []
     if as_json:  # written as the variants come, none of them held
         print(json.dumps({"op": op.name, "shape": shape_dict(shape), "preset": space.preset, "arch": arch,
-                          "rejected": len(rejected), "variants": []}, indent=2)[:-4] + "[")
+                          "rejected": counted.rejected, "variants": []}, indent=2)[:-4] + "[")
     with _compiling(len(valid), f"{op.name} {shape_dict(shape)} preset {space.preset} for {arch}") as advance:
         for i, v in enumerate(build_each(op, shape, valid, arch, progress=advance)):
             cached += v.compiled.from_cache
@@ -362,7 +363,7 @@ def variants(
         print("\n  ]\n}")
         return
     table = Table(title=f"{op.name} {shape_dict(shape)}: {len(valid)} valid variants of preset {space.preset}{limited} "
-                        f"({len(rejected)} combinations rejected), {arch}")
+                        f"({counted.rejected} combinations rejected), {arch}")
     for column in ("params", "regs", "smem B", "spill B", "global loads", "cp.async", "passes", "bar.sync", "shfl"):
         table.add_column(column, justify="left" if column == "params" else "right")
     for row in rows:
@@ -721,7 +722,7 @@ def _join(storage: str, study_name: str, seed: int, replay: Path | None) -> None
         measured = measure(op, shape, space, backend, study, int(budget), identity["objective"], seed)
     finally:
         backend.close()
-    held = len(_finished(study, op, shape, _keys(op, expand(op, shape, space, identity["arch"])[0])))
+    held = len(_finished(study, op, shape, _keys(op, valid_params(op, shape, space, identity["arch"]))))
     out.print(f"measured {measured} configs of study {study_name}; it holds {held} of its {budget}")
 
 

@@ -7,7 +7,7 @@ import math
 import random
 import re
 import tomllib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -102,28 +102,65 @@ def _first(path: Path, spec: dict[str, Any]) -> tuple[tuple[tuple[str, Any], ...
 def expand(op: Op, shape: Any, space: Space, arch: str | None = None) -> tuple[list[Any], list[tuple[Any, str]]]:
     """Every combination of the space for this shape, split into valid params and (params, rule broken); with
     arch, a config whose instructions that arch lacks (l2_ahead's sm_90 prefetch) is rejected too."""
-    return _expand(op, shape, space, arch, keep_rejected=True)
+    kept, counted = _expand(op, shape, space, arch, keep_rejected=True)
+    return counted.valid, kept
+
+
+@dataclass(frozen=True)
+class Tally:
+    """A space expanded as a command needs it: the valid params, how many combinations were rejected and the first
+    one's reason (expand's rejected[0]), without making the rejected params: a full preset rejects 10⁷."""
+
+    valid: list[Any]
+    rejected: int
+    first_rejection: str | None
+
+
+def tally(op: Op, shape: Any, space: Space, arch: str | None = None) -> Tally:
+    return _expand(op, shape, space, arch, keep_rejected=False)[1]
 
 
 def valid_params(op: Op, shape: Any, space: Space, arch: str | None = None) -> list[Any]:
-    """expand's valid params alone, without making the rejected ones: a full preset rejects 10⁷ combinations."""
-    return _expand(op, shape, space, arch, keep_rejected=False)[0]
+    """expand's valid params alone, without making the rejected ones."""
+    return tally(op, shape, space, arch).valid
+
+
+class _Rejections:
+    """The rejected combinations in order: kept as (params, reason) where asked, counted, and the first reason."""
+
+    def __init__(self, keep: bool):
+        self.kept: list[tuple[Any, str]] | None = [] if keep else None
+        self.count = 0
+        self.first: str | None = None
+
+    def add(self, params: Any, reason: str) -> None:
+        self.add_many(1, reason, lambda: [params])
+
+    def add_many(self, count: int, reason: str, params: Callable[[], Iterable[Any]]) -> None:
+        """count combinations all rejected for one reason; params() makes them, only where they are kept."""
+        self.count += count
+        self.first = self.first if self.first is not None else reason
+        if self.kept is not None:
+            self.kept.extend((p, reason) for p in params())
 
 
 def _expand(op: Op, shape: Any, space: Space, arch: str | None,
-            keep_rejected: bool) -> tuple[list[Any], list[tuple[Any, str]]]:
+            keep_rejected: bool) -> tuple[list[tuple[Any, str]] | None, Tally]:
+    """(the rejected (params, reason) where kept, else None; the tally)."""
     make = _checked_maker(op, space)
+    rejected = _Rejections(keep_rejected)
     # validate is the op's rule table, over a dataclass
     if getattr(op.validate, "__func__", None) is OpFamily.validate and is_dataclass(op.params_type) and space.axes:
-        return _expand_by_rules(op, shape, space, arch, keep_rejected)
-    valid, rejected = [], []
-    for values in space.combinations():
-        params = make(values)
-        if (reason := rejection(op, shape, params, arch)) is None:
-            valid.append(params)
-        elif keep_rejected:
-            rejected.append((params, reason))
-    return valid, rejected
+        valid = _expand_by_rules(op, shape, space, arch, rejected)
+    else:
+        valid = []
+        for values in space.combinations():
+            params = make(values)
+            if (reason := rejection(op, shape, params, arch)) is None:
+                valid.append(params)
+            else:
+                rejected.add(params, reason)
+    return rejected.kept, Tally(valid, rejected.count, rejected.first)
 
 
 def rejection(op: Op, shape: Any, params: Any, arch: str | None = None) -> str | None:
@@ -180,8 +217,7 @@ def _decided(function: Callable[..., Any], shape: Any, partial: Any) -> Any:
         return _UNDECIDED
 
 
-def _expand_by_rules(op: Op, shape: Any, space: Space, arch: str | None,
-                     keep_rejected: bool) -> tuple[list[Any], list[tuple[Any, str]]]:
+def _expand_by_rules(op: Op, shape: Any, space: Space, arch: str | None, rejected: _Rejections) -> list[Any]:
     """expand for an op whose validate is its rule table (OpFamily.validate), with the same lists in the same order.
     The axes are assigned one at a time, in the order space.combinations() varies them, and each rule is asked of the
     partial config once its answer no longer depends on the axes still open: where the first rule broken, and its
@@ -207,13 +243,12 @@ def _expand_by_rules(op: Op, shape: Any, space: Space, arch: str | None,
 
     rules = [rule for rule in op.rules if not holds_everywhere(rule)]
     valid: list[Any] = []
-    rejected: list[tuple[Any, str]] = []
 
     def file(params: Any, reason: str | None) -> None:
         if reason is None:
             valid.append(params)
-        elif keep_rejected:
-            rejected.append((params, reason))
+        else:
+            rejected.add(params, reason)
 
     # the combinations of the axes from each depth on, as dicts, where there are few enough to hold
     behind = [math.prod(len(values) for values in axes[depth:]) for depth in range(len(axes) + 1)]
@@ -244,9 +279,7 @@ def _expand_by_rules(op: Op, shape: Any, space: Space, arch: str | None,
         if broken is not None:
             message = _decided(rules[broken].message, shape, partial)
             if message is not _UNDECIDED:
-                if keep_rejected:
-                    reason = f"{rules[broken].name}: {message}"
-                    rejected.extend((params, reason) for params in every(depth, given))
+                rejected.add_many(behind[depth], f"{rules[broken].name}: {message}", lambda: every(depth, given))
                 return
         elif holding == len(rules):
             for params in every(depth, given):
@@ -265,7 +298,7 @@ def _expand_by_rules(op: Op, shape: Any, space: Space, arch: str | None,
                  else f"{broken_here.name}: {broken_here.message(shape, params)}")
 
     walk(0, {}, 0, None)
-    return valid, rejected
+    return valid
 
 
 def _checked_maker(op: Op, space: Space) -> Callable[[dict[str, Any]], Any]:

@@ -36,7 +36,7 @@ from mage_gen.compile import nvrtc_version
 from mage_gen.errors import CompileError, ConfigError, MageError
 from mage_gen.ops import Op
 from mage_gen.ops.base import shape_dict
-from mage_gen.space import Space, expand, rejection
+from mage_gen.space import Space, rejection, tally, valid_params
 from mage_gen.timing import OBJECTIVES, Timing, by_objective
 from mage_gen.variants import Variant, build, prebuild
 
@@ -220,10 +220,11 @@ def tune(op: Op, shape: Any, run: dict[str, int], space: Space, backend: Backend
     the space's `first` configs (the peers' shapes) that lie in it, each re-timed in the final round too."""
     if objective not in OBJECTIVES:
         raise ConfigError(f"objective: must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
-    valid, rejected = expand(op, shape, space, backend.arch)
+    counted = tally(op, shape, space, backend.arch)
+    valid = counted.valid
     if not valid:
         raise ConfigError(f"space: no config of preset {space.preset} is valid for {op.name} {shape_dict(shape)}; "
-                          f"first rejection: {rejected[0][1] if rejected else 'none'}; a wider preset "
+                          f"first rejection: {counted.first_rejection or 'none'}; a wider preset "
                           "(--preset full) may hold some")
     exhaustive = len(valid) <= EXHAUSTIVE_LIMIT
     budget = min(trials or (len(valid) if exhaustive else DEFAULT_TPE_TRIALS), len(valid))  # configs in all
@@ -259,7 +260,7 @@ def tune(op: Op, shape: Any, run: dict[str, int], space: Space, backend: Backend
         if others is not None:
             others.wait()
     done = _finished(study, op, shape, keys)
-    return _finish(op, shape, study, done, valid, rejected, backend, objective, measured, from_earlier_runs,
+    return _finish(op, shape, study, done, valid, counted.rejected, backend, objective, measured, from_earlier_runs,
                    "exhaustive" if exhaustive else "tpe", progress, {params_key(op, p) for p in first}, incumbent)
 
 
@@ -339,7 +340,7 @@ def measure(op: Op, shape: Any, space: Space, backend: Backend, study: optuna.St
     measured by the worker whose trial claimed it first (the lowest trial number among the running ones).
     drain: once the rest is claimed, wait for those claims to finish (or fail, their worker dead, and be
     retried) instead of returning."""
-    valid, _ = expand(op, shape, space, backend.arch)
+    valid = valid_params(op, shape, space, backend.arch)
     valid_keys = _keys(op, valid)
     exhaustive = len(valid) <= EXHAUSTIVE_LIMIT
     # An axis of one value is no choice: asked of the study, it would cost each proposal a storage write and the
@@ -538,7 +539,7 @@ def _finish(op, shape, study, done, valid, rejected, backend, objective, measure
                                           key=lambda f: (f.registers, f.threads, f.timing(objective).median_us))
     peers = {name: {**timings[name], "config": peer_configs.get(name, {})} for name in peer_configs}
     result = TuneResult(
-        study=study.study_name, sampler=sampler, valid=len(valid), rejected=len(rejected), measured=measured,
+        study=study.study_name, sampler=sampler, valid=len(valid), rejected=rejected, measured=measured,
         reused=reused, failed=failed, winner=winner, runner_ups=[f for f in ranked if f is not winner],
         tie=len(tied) > 1, tied_with=[f.name for f in tied if f is not winner],
         kept_stored=bool(stored) and len(tied) > 1, peers=peers, dropped=dropped,

@@ -13,7 +13,7 @@ from mage_gen import runtime
 from mage_gen.errors import ConfigError
 from mage_gen.ops import FAMILIES, OPS, get_op
 from mage_gen.ops.base import LazyFunction, OpFamily, Rule, check_rules
-from mage_gen.space import expand, load_space, rejection, valid_params
+from mage_gen.space import Tally, expand, load_space, rejection, tally, valid_params
 
 ROOT = Path(__file__).resolve().parent.parent
 # A shape each op is typically asked for
@@ -221,6 +221,8 @@ def test_expand_gives_what_validate_gives_config_by_config(name, dims, preset):
         assert rejected == [(p, reason) for p, reason in each if reason is not None]
         assert len({reason for _, reason in rejected}) > 5
         assert valid_params(op, shape, space, arch) == valid
+        # tally: what a command says of the space, the rejections counted rather than made
+        assert tally(op, shape, space, arch) == Tally(valid, len(rejected), rejected[0][1])
 
 
 @pytest.mark.parametrize("name", ["layernorm", "rmsnorm"])
