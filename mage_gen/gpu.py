@@ -17,6 +17,7 @@ from mage_gen.errors import GpuError, NoGpuError
 
 NAN_BITS = 0x7FC00000  # the float32 quiet NaN that poisons outputs before a launch
 NO_CLUSTER = (1, 1, 1)  # a launch's cluster dimension where it has no cluster: launched with plain cuLaunchKernel
+TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap), 64-byte aligned
 
 
 def check(result: Any, call: str) -> Any:
@@ -163,9 +164,14 @@ class FixedLaunch:
     called through ctypes without per-argument conversion. For a runtime launching a kernel of a few
     microseconds per model step, the binding's own call and ctypes objects per value cost more than that.
     A clustered kernel (cluster other than (1, 1, 1)) goes through the binding's cuLaunchKernelEx instead, with the
-    same packed values and a launch config made once per stream: correct, at the binding's cost per call."""
+    same packed values and a launch config made once per stream: correct, at the binding's cost per call.
+    kinds: ptr, i32, i64, f32, or tmap (a TMA tensor map passed by value; its launch value is the 128 encoded
+    bytes tensor_map returns)."""
 
-    _FORMATS = {"ptr": "Q", "i32": "i", "i64": "q", "f32": "f"}
+    # kind: (struct format at standard size, alignment). A "tmap" is a CUtensorMap taken by value: the PTX declares
+    # it `.param .align 64 .b8 name[128]`, and its value is the 128 bytes tensor_map encodes
+    _FORMATS = {"ptr": ("Q", 8), "i32": ("i", 4), "i64": ("q", 8), "f32": ("f", 4),
+                "tmap": (f"{TENSOR_MAP_BYTES}s", 64)}
 
     def __init__(self, kernel: Kernel, grid: tuple[int, int, int], block: tuple[int, int, int], shared: int,
                  kinds: Sequence[str], cluster: tuple[int, int, int] = NO_CLUSTER):
@@ -173,13 +179,13 @@ class FixedLaunch:
         self._geometry = (tuple(grid), tuple(block), shared)
         self._cluster = None if tuple(cluster) == NO_CLUSTER else tuple(cluster)
         self._config: Any = None  # the clustered launch's config, for the stream last launched on
-        layout = struct.Struct("@" + "".join(self._FORMATS[kind] for kind in kinds))  # C struct alignment
+        self.offsets, layout = parameter_layout(kinds, self._FORMATS)
+        self._buffer = ctypes.create_string_buffer(max(layout.size, 1) + 64)
+        self._start = -ctypes.addressof(self._buffer) % 64  # values from its first 64-byte boundary on, so that
+        # each lies at an address of its own alignment, as in a C struct (a tensor map's: 64)
         self._pack = layout.pack_into
-        self._buffer = ctypes.create_string_buffer(max(layout.size, 1))
-        base = ctypes.addressof(self._buffer)
-        offsets = [struct.calcsize("@" + layout.format[1:i + 2]) - struct.calcsize(layout.format[i + 1])
-                   for i in range(len(kinds))]
-        self._pointers = (ctypes.c_void_p * max(len(kinds), 1))(*[base + offset for offset in offsets])
+        base = ctypes.addressof(self._buffer) + self._start
+        self._pointers = (ctypes.c_void_p * max(len(kinds), 1))(*[base + offset for offset in self.offsets])
         self._params = ctypes.c_void_p(ctypes.addressof(self._pointers))
         # Plain ints go to the seven unsigned sizes (all below 2**31); the handle, stream and arrays as pointers.
         self._fixed = (ctypes.c_void_p(int(kernel.function)), *grid, *block, shared)
@@ -189,7 +195,7 @@ class FixedLaunch:
 
     def launch(self, values: Sequence[int | float], stream: int) -> None:
         """Not thread-safe: the value buffer and the stream last launched on are shared (the caller serialises)."""
-        self._pack(self._buffer, 0, *values)
+        self._pack(self._buffer, self._start, *values)
         if self._cluster is not None:
             if stream != self._stream or self._config is None:
                 self._config = launch_config(*self._geometry, stream, self._cluster)
@@ -205,14 +211,27 @@ class FixedLaunch:
             check(cu.CUresult(err), f"cuLaunchKernel({self.kernel.name})")
 
 
+def parameter_layout(kinds: Sequence[str], formats: dict[str, tuple[str, int]]) -> tuple[list[int], struct.Struct]:
+    """Where each argument lies in a C struct of them in order (each at a multiple of its alignment, the whole
+    a multiple of the largest), and a Struct that packs them there with the padding spelled out."""
+    offsets: list[int] = []
+    parts: list[str] = []
+    end, widest = 0, 1
+    for kind in kinds:
+        code, align = formats[kind]
+        at = -(-end // align) * align
+        parts.append(f"{at - end}x{code}" if at > end else code)
+        offsets.append(at)
+        end, widest = at + struct.calcsize("=" + code), max(widest, align)
+    size = -(-end // widest) * widest
+    return offsets, struct.Struct("=" + "".join(parts) + (f"{size - end}x" if size > end else ""))
+
+
 @cache
 def _driver_launch() -> Any:
     function = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
     function.restype = ctypes.c_int
     return function
-
-
-TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap), 64-byte aligned
 
 
 class KernelArgs:

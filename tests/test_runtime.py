@@ -345,3 +345,53 @@ def test_each_address_is_held_to_its_own_alignment_not_the_strictest(stub_driver
         with pytest.raises(LaunchError, match="is not a device address aligned to"):
             prepared.launch(bad, 7)
     assert stub_driver.count() == 1
+
+
+def _ptx_params(ptx: str) -> list[tuple[int, int]]:
+    """(alignment, bytes) of each .param of the PTX's entry, as it declares them."""
+    import re
+
+    entry = ptx[ptx.index(".entry"):]
+    found = []
+    for declaration in re.findall(r"\.param ([^,)]+)", entry[:entry.index(")")]):
+        array = re.match(r"\.align (\d+) \.b8 \S+\[(\d+)\]", declaration)
+        if array:
+            found.append((int(array[1]), int(array[2])))
+        else:
+            size = int(re.match(r"\.[usbf](\d+)", declaration)[1]) // 8
+            found.append((size, size))
+    return found
+
+
+@pytest.fixture(scope="module")
+def gemm_kernel():
+    """gemm_sm90 at 128³ with a TMA store (three tensor maps after three pointers), built for sm_90a on this CPU."""
+    op = get_op("gemm_sm90")
+    shape = op.shape(m=128, n=128, k=128)
+    params = op.params_from_dict({"epilogue": "tma"})
+    return op, shape, params, build(op, shape, params, "sm_90a")
+
+
+def test_tensor_maps_are_packed_where_the_kernels_ptx_declares_them(stub_driver, gemm_kernel):
+    import ctypes
+
+    from mage_gen import gpu
+
+    op, shape, params, variant = gemm_kernel
+    declared = _ptx_params(variant.compiled.ptx)
+    kinds = ["ptr"] * 3 + ["tmap"] * 3
+    assert declared == [(8, 8)] * 3 + [(64, gpu.TENSOR_MAP_BYTES)] * 3
+    launch = gpu.FixedLaunch(_Loaded(), (1, 1, 1), (384, 1, 1), 0, kinds)
+    offset = 0  # the offsets C gives a struct of the declared parameters
+    for (align, size), at in zip(declared, launch.offsets):
+        offset = -(-offset // align) * align
+        assert at == offset
+        offset += size
+    assert launch.offsets == [0, 8, 16, 64, 192, 320]
+    maps = [bytes(range(i, i + 128)) for i in (1, 50, 99)]
+    launch.launch((0x1000, 0x2000, 0x3000, *maps), 0)
+    for i in range(3):
+        assert ctypes.cast(stub_driver.param(i), ctypes.POINTER(ctypes.c_uint64)).contents.value == 0x1000 * (i + 1)
+    for i, encoded in enumerate(maps):
+        assert stub_driver.param(3 + i) % 64 == 0
+        assert ctypes.string_at(stub_driver.param(3 + i), gpu.TENSOR_MAP_BYTES) == encoded
