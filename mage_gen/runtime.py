@@ -3,9 +3,11 @@
     from mage_gen import runtime
     runtime.layer_norm(y, x, w, b, m=4096, d=768, eps=1e-5, stream=0)   # y, x, w, b: device addresses
     runtime.rms_norm(y, x, w, m=4096, d=4096, eps=1e-6, stream=0)
+    runtime.gemm(c, a, b, m=16, n=4096, k=4096, stream=0)   # bf16 C = A·Bᵀ on Hopper, a tuned shape only
 
 The kernel for a launch is this GPU's tuned entry for the shape, of the size class dispatch.RULE picks for
-the run size; a shape with no usable entry compiles a default config (NVRTC, cached on disk) and warns once.
+the run size; a shape with no usable entry compiles a default config (NVRTC, cached on disk) and warns once
+(matmul and gemm refuse it instead).
 A kernel is loaded once per CUDA context (the calling thread's current one; the device's primary context
 where it has none) and launched on the stream given. Uses store, compile and gpu only: importing it costs
 what a launch needs, never Optuna, the measuring code or the peers.
@@ -15,7 +17,9 @@ from __future__ import annotations
 
 import threading
 import warnings
+from collections import OrderedDict
 from collections.abc import Sequence
+from functools import lru_cache
 from types import MappingProxyType
 from typing import Any
 
@@ -24,11 +28,13 @@ from mage_gen.census import Census, aligned_contract, take_census
 from mage_gen.compile import compile_source
 from mage_gen.errors import ConfigError, LaunchError, StoreError
 from mage_gen.ops import OPS, Op, get_op
-from mage_gen.ops.base import refuse_working_args, shape_dict
+from mage_gen.ops.base import TensorMapSpec, refuse_working_args, shape_dict, tensor_maps
 from mage_gen.store import load_winners, pick_winner, store_file, tuned_dirs
 
 # Each op's default_candidates, by name, read-only: the ops declare them
 DEFAULT_CANDIDATES = MappingProxyType({name: op.default_candidates for name, op in OPS.items()})
+MAP_CACHE = 64  # encoded tensor maps a Prepared keeps, the least recently used dropped first
+TMA_ALIGNMENT = 16  # bytes: where TMA needs a tensor's global address to start
 
 
 class UntunedKernelWarning(UserWarning):
@@ -37,7 +43,9 @@ class UntunedKernelWarning(UserWarning):
 
 class Prepared:
     """One kernel's launch for one shape and run size, in one context: computed once, then each launch only
-    checks the addresses, writes the argument values in place and enqueues."""
+    checks the addresses, writes the argument values in place and enqueues. A kernel that takes TMA tensor maps
+    (after its other arguments, by value) gets each encoded from the address of the tensor it maps: the shape is
+    fixed, so only the address changes, and the bytes are kept by (map, address) for the next launch."""
 
     def __init__(self, op: Op, shape: Any, params: Any, run: dict[str, int], kernel: gpu.Kernel, census: Census):
         geometry = op.geometry(shape, params, run)
@@ -50,8 +58,13 @@ class Prepared:
         contract = aligned_contract(op.contract(shape, params), census)
         self._alignments = {name: int(t["alignment_bytes"]) for name, t in contract["tensors"].items() if name in pointers}
         self._pointer_count = len(pointers)
+        maps = tensor_maps(op, shape, params)
+        for spec in maps.values():  # the contract's alignment already; checked again as TMA's own need
+            self._alignments[spec.tensor] = max(self._alignments[spec.tensor], TMA_ALIGNMENT)
+        self._maps = tuple((name, spec, self.arg_names.index(spec.tensor)) for name, spec in maps.items())
+        self._encoded: OrderedDict[tuple[str, int], bytes] = OrderedDict()
         self._alignment_mask = max(self._alignments.values(), default=1) - 1  # alignments are powers of two
-        kinds = ["ptr" if a.kind in ("in", "out") else a.kind for a in op.args(shape)]
+        kinds = ["ptr" if a.kind in ("in", "out") else a.kind for a in op.args(shape)] + ["tmap"] * len(maps)
         self._launch = gpu.FixedLaunch(kernel, geometry.grid, geometry.block, geometry.dynamic_shared_bytes, kinds,
                                        geometry.cluster)
         self._lock = threading.Lock()  # the argument values are shared by every thread launching this kernel
@@ -62,7 +75,21 @@ class Prepared:
             if not address or address & self._alignment_mask:  # the strictest alignment first, then each its own
                 check_alignment(self.op_name, self._alignments, dict(zip(self.arg_names, values)))
         with self._lock:
+            if self._maps:
+                values = [*values, *(self._tensor_map(name, spec, values[at]) for name, spec, at in self._maps)]
             self._launch.launch(values, stream)
+
+    def _tensor_map(self, name: str, spec: TensorMapSpec, address: int) -> bytes:
+        """The map `name` encoded over `address`: from the cache, else by the driver (microseconds)."""
+        key = (name, address)
+        encoded = self._encoded.get(key)
+        if encoded is None:
+            encoded = self._encoded[key] = gpu.tensor_map(address, spec)
+            while len(self._encoded) > MAP_CACHE:
+                self._encoded.popitem(last=False)
+        else:
+            self._encoded.move_to_end(key)
+        return encoded
 
 
 _prepared: dict[tuple, Prepared] = {}
@@ -106,6 +133,29 @@ def matmul(c: int, a: int, b: int, m: int, n: int, k: int, stream: int = 0, *, d
     """C = A·B, float32 row-major, for an (m, n, k) tuned on this GPU; other shapes are refused."""
     launch("matmul", {"m": m, "n": n, "k": k}, {}, {"C": c, "A": a, "B": b}, {}, stream, device=device,
            tuned_only=True)
+
+
+def gemm(c: int, a: int, b: int, m: int, n: int, k: int, stream: int = 0, *, device: int = 0,
+         c_dtype: str = "bf16", b_layout: str = "nk") -> None:
+    """C = A·Bᵀ (b_layout nk: B N×K, an nn.Linear weight) or C = A·B (kn: B K×N) on Hopper's tensor cores (op
+    gemm_sm90): A (m×k) and B bfloat16, C (m×n) c_dtype (bf16 or fp32), all row-major, for an (m, n, k) tuned on
+    this GPU; other shapes are refused, as matmul's. Rows of A and of B are K (a K×N B: N) elements rounded up to a
+    multiple of 8 apart, C's n; A and B start on 16 bytes (TMA), C on its element pairs (16 bytes where the kernel
+    stores C by TMA). A split-K winner is refused: the runtime has no workspace to give it."""
+    dims = {"m": m, "n": n, "k": k, "c_dtype": c_dtype, "b_layout": b_layout}
+    _gemm_shape(m, n, k, c_dtype, b_layout)  # before any call to the driver
+    if not (a and b and c) or (a | b) % TMA_ALIGNMENT:
+        check_alignment("gemm_sm90", {"C": 1, "A": TMA_ALIGNMENT, "B": TMA_ALIGNMENT}, {"C": c, "A": a, "B": b})
+    launch("gemm_sm90", dims, {}, {"C": c, "A": a, "B": b}, {}, stream, device=device, tuned_only=True)
+
+
+@lru_cache(maxsize=256)
+def _gemm_shape(m: int, n: int, k: int, c_dtype: str, b_layout: str) -> None:
+    """Refuse sizes, a C type or a B layout the kernel cannot take (checked once per shape: a refusal is not kept)."""
+    try:
+        get_op("gemm_sm90").shape(m=m, n=n, k=k, c_dtype=c_dtype, b_layout=b_layout)
+    except ConfigError as exc:
+        raise LaunchError(f"gemm_sm90: {exc}") from None
 
 
 def launch(op_name: str, dims: dict[str, Any], run: dict[str, int], pointers: dict[str, int],

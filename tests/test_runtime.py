@@ -395,3 +395,79 @@ def test_tensor_maps_are_packed_where_the_kernels_ptx_declares_them(stub_driver,
     for i, encoded in enumerate(maps):
         assert stub_driver.param(3 + i) % 64 == 0
         assert ctypes.string_at(stub_driver.param(3 + i), gpu.TENSOR_MAP_BYTES) == encoded
+
+
+def test_a_prepared_gemm_encodes_each_map_once_per_address(stub_driver, gemm_kernel, monkeypatch):
+    import ctypes
+
+    from mage_gen import gpu
+
+    op, shape, params, variant = gemm_kernel
+    encoded = []
+
+    def encode(address, spec):
+        encoded.append((spec.tensor, address))
+        return f"{spec.tensor}@{address:#x}".encode().ljust(gpu.TENSOR_MAP_BYTES, b"\0")
+
+    monkeypatch.setattr(gpu, "tensor_map", encode)
+    prepared = runtime.Prepared(op, shape, params, {}, _Loaded(), variant.census)
+    a, b = 0x7000_0000, 0x7100_0000
+    for c in (0x1000, 0x2000, 0x1000, 0x2000):  # the same weights and activations, two outputs in turn
+        prepared.launch((c, a, b), 7)
+        got = [ctypes.string_at(stub_driver.param(3 + i), gpu.TENSOR_MAP_BYTES).rstrip(b"\0") for i in range(3)]
+        assert got == [f"A@{a:#x}".encode(), f"B@{b:#x}".encode(), f"C@{c:#x}".encode()]
+    assert encoded == [("A", a), ("B", b), ("C", 0x1000), ("C", 0x2000)] and stub_driver.count() == 4
+    monkeypatch.setattr(runtime, "MAP_CACHE", 3)  # the least recently used map is dropped past the limit
+    prepared.launch((0x3000, a, b), 7)
+    prepared.launch((0x1000, a, b), 7)
+    assert encoded[4:] == [("C", 0x3000), ("C", 0x1000)] and len(prepared._encoded) == 3
+
+
+def test_a_prepared_gemm_refuses_an_address_tma_cannot_take(stub_driver, gemm_kernel, monkeypatch):
+    from mage_gen import gpu
+
+    op, shape, params, variant = gemm_kernel
+    monkeypatch.setattr(gpu, "tensor_map", lambda address, spec: pytest.fail("encoded a map for a refused launch"))
+    prepared = runtime.Prepared(op, shape, params, {}, _Loaded(), variant.census)
+    assert prepared._alignments == {"C": 16, "A": 16, "B": 16}
+    for bad in ((0x1000, 0x2008, 0x3000), (0x1000, 0x2000, 0x3002), (0x1008, 0x2000, 0x3000), (0, 0x2000, 0x3000)):
+        with pytest.raises(LaunchError, match="is not a device address aligned to 16 bytes"):
+            prepared.launch(bad, 7)
+    assert stub_driver.count() == 0
+
+
+@pytest.fixture
+def no_driver_calls(monkeypatch):
+    from mage_gen import gpu
+
+    for name in ("current_context", "device_info", "current_device", "make_primary_current"):
+        monkeypatch.setattr(gpu, name, lambda *args, name=name: pytest.fail(f"reached the driver ({name})"))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"m": 0}, "m must be a whole number in 1..1048576, got 0"),
+    ({"k": 1 << 21}, "k must be a whole number"),
+    ({"n": 4096.0}, "n must be a whole number"),
+    ({"c_dtype": "fp16"}, r"c_dtype \(C's element type\) is one of \('bf16', 'fp32'\), got 'fp16'"),
+    ({"b_layout": "mk"}, "b_layout is one of"),
+    ({"a": 0x2000_0008}, "A at 0x20000008 is not a device address aligned to 16 bytes"),
+    ({"b": 0x3000_0004}, "B at 0x30000004 is not a device address aligned to 16 bytes"),
+    ({"c": 0}, "C at 0x0 is not a device address"),
+])
+def test_gemm_refuses_what_the_kernel_cannot_take_before_the_driver(no_driver_calls, change, message):
+    call = {"c": 0x1000_0000, "a": 0x2000_0000, "b": 0x3000_0000, "m": 128, "n": 4096, "k": 4096, **change}
+    with pytest.raises(LaunchError, match="^gemm_sm90: .*" + message):
+        runtime.gemm(**call)
+
+
+def test_a_split_k_winner_is_refused_for_want_of_a_workspace(monkeypatch):
+    from mage_gen import gpu
+
+    op = get_op("gemm_sm90")
+    device = gpu.DeviceInfo("NVIDIA H200", (9, 0), 132, 60 << 20, 232448, "13.0")
+    monkeypatch.setattr(gpu, "current_device", lambda: 0)
+    monkeypatch.setattr(gpu, "device_info", lambda ordinal=0: device)
+    monkeypatch.setattr(runtime, "choose", lambda *args: op.params_from_dict({"split_k": 4}))
+    monkeypatch.setattr(runtime, "compile_source", lambda *args: pytest.fail("compiled a refused kernel"))
+    with pytest.raises(LaunchError, match=r"^gemm_sm90: .*cannot yet hand this kernel the workspace \(scratch"):
+        runtime._prepare(op, {"m": 16, "n": 4096, "k": 4096}, {}, 1, True)
