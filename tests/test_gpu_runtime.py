@@ -229,3 +229,38 @@ def test_a_kernel_checked_at_a_dram_sized_run_sees_the_timing_inputs():
             subject.close()
     finally:
         kernel.unload()
+
+
+@pytest.mark.parametrize("m", [16, 128, 512, 4096])
+def test_raw_runtime_gemm_runs_a_stored_winner_against_torch(m):
+    """runtime.gemm on torch's pointers at a shape tuned on the H200 (tuned/h200/gemm_sm90.json), bf16 C = A·Bᵀ:
+    twice with new outputs and a new A (maps encoded for the new addresses, the weight's kept), then in a graph."""
+    from mage_gen import gpu, runtime
+    from mage_gen.dtypes import BFLOAT16
+
+    if gpu.device_info(torch.cuda.current_device()).name != "NVIDIA H200":
+        pytest.skip("the gemm_sm90 winners stored are the H200's")
+    op = get_op("gemm_sm90")
+    n = k = 4096
+    tolerance = op.tolerance_of(op.shape(m=m, n=n, k=k), "C", BFLOAT16)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    weight = torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16)
+
+    def gemm(c, a):  # on torch's current stream: inside the graph block, the capturing one
+        runtime.gemm(c.data_ptr(), a.data_ptr(), weight.data_ptr(), m, n, k, torch.cuda.current_stream().cuda_stream)
+
+    for _ in range(2):
+        a = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+        c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        gemm(c, a)
+        torch.cuda.synchronize()
+        assert relative_error(c, a.double() @ weight.double().T) <= tolerance
+        assert relative_error(c, (a @ weight.T).double()) <= tolerance  # torch's own bf16 matmul
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemm(c, a)  # on the capture stream, torch's current one inside the block
+    a.copy_(torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16))
+    c.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert relative_error(c, a.double() @ weight.double().T) <= tolerance
