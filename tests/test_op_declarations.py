@@ -134,11 +134,25 @@ def test_importing_the_ops_imports_neither_torch_nor_triton_nor_the_peers():
     assert done.stdout.strip() == "[]"
 
 
+@pytest.mark.parametrize("name", list(OPS))
+def test_an_op_declares_a_function_of_mage_gen_runtime_or_none(name):
+    op = get_op(name)
+    assert op.runtime_name is None or re.fullmatch(r"mage_gen\.runtime\.[a-z_]+", op.runtime_name), op.runtime_name
+    if op.runtime_name is not None:
+        assert callable(getattr(runtime, op.runtime_name.rpartition(".")[2]))
+
+
+def test_the_runtime_names_are_the_public_launch_functions_of_mage_gen_runtime():
+    assert {op.name: op.runtime_name for op in OPS.values() if op.runtime_name} == {
+        "layernorm": "mage_gen.runtime.layer_norm", "rmsnorm": "mage_gen.runtime.rms_norm",
+        "matmul": "mage_gen.runtime.matmul", "gemm_sm90": "mage_gen.runtime.gemm"}
+
+
 def test_no_module_outside_the_ops_names_an_op_that_has_no_public_function():
     """An op is added in its own module (and templates and search space) and registered in FAMILIES; the generic
     modules ask it what they need. The ops with functions of their own in mage_gen.runtime and mage_gen.torch are
     named there, by those functions."""
-    unnamed = [op.name for op in OPS.values() if op.torch_name is None]
+    unnamed = [op.name for op in OPS.values() if op.torch_name is None and op.runtime_name is None]
     assert unnamed
     for path in sorted((ROOT / "mage_gen").rglob("*.py")):
         if path.parent.name == "ops":

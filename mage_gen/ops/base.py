@@ -118,6 +118,8 @@ class OpFamily:
     default_candidates: tuple[Mapping[str, Any], ...] = ({},)
     # the function of mage_gen.torch that launches this op, as its errors name it; None: mage_gen.torch has none
     torch_name: str | None = None
+    # the function of mage_gen.runtime that launches it from raw device pointers; None: the runtime has none
+    runtime_name: str | None = None
     # what each of the shape's fields (sizes at generation and at launch, and options) means for this op, as the
     # command line's help gives it
     field_help: Mapping[str, str] = {}
@@ -251,6 +253,7 @@ class Op(Protocol):
     peer_builder: LazyFunction | None  # OpFamily's declarations
     default_candidates: tuple[Mapping[str, Any], ...]
     torch_name: str | None
+    runtime_name: str | None
     field_help: Mapping[str, str]
     tolerance: float  # largest accepted ‖out − ref‖ / ‖ref‖ of an fp32 output
     params_type: type

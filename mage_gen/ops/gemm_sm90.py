@@ -317,6 +317,7 @@ class GemmSm90(OpFamily):
     shape_options = ("precision", "c_dtype", "b_layout")
     min_arch = 90
     peer_builder = LazyFunction("mage_gen.peers", "strided_bf16_gemm_peers")
+    runtime_name = "mage_gen.runtime.gemm"
     field_help = {"m": "rows of A and C", "n": "columns of C", "k": "columns of A",
                   "precision": "bf16 (what A and B are; c_dtype is C's)",
                   "c_dtype": "C's element type: bf16 or fp32",

@@ -327,6 +327,7 @@ class LayerNorm(OpFamily):
                                 (("torch_fn", "F.layer_norm"), ("triton_kernel", "triton_layernorm")))
     default_candidates = DEFAULT_CANDIDATES
     torch_name = "mage_gen.torch.layer_norm"
+    runtime_name = "mage_gen.runtime.layer_norm"
     field_help = {"d": "row length", "m": f"rows at launch (default {run_defaults['m']})",
                   "dtype": "element type of x, y and the residual: fp32 (default), bf16 or fp16; statistics are "
                            "always fp32",

@@ -205,6 +205,7 @@ class Matmul(TiledProduct):
     _args = (Arg("C", "out"), Arg("A", "in"), Arg("B", "in"))
     peer_builder = LazyFunction("mage_gen.peers", "fp32_matmul_peers")
     torch_name = "mage_gen.torch.matmul"
+    runtime_name = "mage_gen.runtime.matmul"
     field_help = {"m": "rows of A and C", "n": "columns of B and C", "k": "columns of A, rows of B"}
     min_arch = 80  # cp.async
 

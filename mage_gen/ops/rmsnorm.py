@@ -26,6 +26,7 @@ class RMSNorm(LayerNorm):
     peer_builder = LazyFunction("mage_gen.peers", "row_norm_peers",
                                 (("torch_fn", "F.rms_norm"), ("triton_kernel", "triton_rmsnorm")))
     torch_name = "mage_gen.torch.rms_norm"
+    runtime_name = "mage_gen.runtime.rms_norm"
 
     def kernel_name(self, shape: Shape, p: Params) -> str:
         return "rmsnorm" + super().kernel_name(shape, p).removeprefix("layernorm")
