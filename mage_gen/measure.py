@@ -93,7 +93,7 @@ class Bound:
                     self.buffers[name] = fenced_output(out_shape, self.output_dtypes[name])
             for name, arg in self.working.items():
                 self.buffers[name] = gpu.Buffer(4 * max(arg.elements, 1))
-                self.buffers[name].upload(np.full(max(arg.elements, 1), 0 if arg.kind == "zeroed" else 0x7FC00000,
+                self.buffers[name].upload(np.full(max(arg.elements, 1), 0 if arg.kind == "zeroed" else gpu.NAN_BITS,
                                                   dtype=np.uint32))
             scalars = op.scalars(shape, run)
             values: list[tuple[str, int | float]] = []
@@ -125,7 +125,7 @@ class Bound:
                  offset_bytes=GUARD_BYTES, count=(buf.nbytes - 2 * GUARD_BYTES) // size)
         for name, arg in self.working.items():
             if arg.kind == "scratch":  # what a kernel that read it before writing it would read: NaN
-                self.buffers[name].fill32(0x7FC00000, stream.handle)
+                self.buffers[name].fill32(gpu.NAN_BITS, stream.handle)
 
     def enqueue(self, stream_handle: Any) -> None:
         g = self.launch_geometry

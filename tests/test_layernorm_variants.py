@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from mage_gen.errors import ConfigError
 from mage_gen.ops import get_op
 from mage_gen.ops.layernorm import HINTS, HOLDS, RSQRT_MODES, STATS, TEMPLATES, WEIGHTS, Params
+from mage_gen.ops.layernorm import _slots as slots
 from mage_gen.space import draw, expand, load_space, valid_params
 from mage_gen.variants import build, build_all
 
@@ -88,7 +89,7 @@ def check_built(d: int, v) -> None:
     assert c.l2_prefetch == ({"x": 1} if params.l2_ahead else {}) | (
         {"w": 1, "b": 1} if params.weights == "l2" else {})
     if params.grid_cap:  # the next rows' loads are in the code beside the current rows'
-        assert body_loads == 2 * OP._slots(shape, params)
+        assert body_loads == 2 * slots(shape, params)
     assert launch.grid[0] == (min(-(-37 // params.rows_per_block), params.grid_cap) if params.grid_cap
                               else -(-37 // params.rows_per_block))
     if params.weights == "early":  # w and b go out with x, before the statistics wait on anything

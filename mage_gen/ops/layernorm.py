@@ -399,12 +399,6 @@ class LayerNorm(OpFamily):
         size = {"bfloat16": 2, "float16": 2}.get(shape.get("dtype", "float32"), 4)
         return {**params, "vector": params["vector"] * size}
 
-    def _weight_tensors(self) -> tuple[str, ...]:
-        return _weight_tensors(self.norm)
-
-    def _slots(self, shape: Shape, p: Params) -> int:
-        return _slots(shape, p)
-
     # ---- generation ----
     def kernel_name(self, shape: Shape, p: Params) -> str:
         # _v counts elements per access (v4: 16 bytes of fp32), as before `vector` was given in bytes, so
@@ -433,7 +427,7 @@ class LayerNorm(OpFamily):
             wb_hint = pass1_hint
         act, weight = element_type(shape.dtype), element_type(shape.weight_dtype)
         return dict(
-            D=d, T=t, V=v, R=r, W=t // 32, BLOCK=t * r, NVEC=nvec, S=self._slots(shape, p),
+            D=d, T=t, V=v, R=r, W=t // 32, BLOCK=t * r, NVEC=nvec, S=_slots(shape, p),
             FULL_SLOTS=nvec // t, PEEL=d % v != 0,
             GUARD_ROWS=r > 1 or p.grid_cap > 0, PERSISTENT=p.grid_cap > 0, STATS=p.stats,
             INV_D=f"{1.0 / d:.9e}f", RSQRT=p.rsqrt,
@@ -446,7 +440,7 @@ class LayerNorm(OpFamily):
             WU=2 if weight.half else 1, RESIDUAL=shape.residual,
             HOLD_PACKED=p.hold == "packed", HELD_TYPE="unsigned" if p.hold == "packed" else "float",
             HELD_WORDS=v // 2 if p.hold == "packed" else v, HELD_ZERO="0u" if p.hold == "packed" else "0.f",
-            MIN_BLOCKS=p.min_blocks, WB_EARLY=p.weights == "early", WB_L2=p.weights == "l2", WSIZE=weight.itemsize, WB_TENSORS=self._weight_tensors(), WB_RAW=v // (2 if weight.half else 1),
+            MIN_BLOCKS=p.min_blocks, WB_EARLY=p.weights == "early", WB_L2=p.weights == "l2", WSIZE=weight.itemsize, WB_TENSORS=_weight_tensors(self.norm), WB_RAW=v // (2 if weight.half else 1),
             L2_AHEAD=p.l2_ahead > 0, ROW_BYTES=d * act.itemsize,
             L2_AHEAD_PRIORITY="" if p.ahead_priority == "normal" else p.ahead_priority,
             # whole row groups, at least the next one
