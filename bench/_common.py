@@ -16,12 +16,14 @@ import torch
 
 from mage_gen import __version__, gpu
 from mage_gen.compile import nvrtc_version
+from mage_gen.dispatch import choose_class
 from mage_gen.errors import StoreError
 from mage_gen.measure import HOT_LAUNCHES_PER_GRAPH, flush_bytes
 from mage_gen.ops import get_op
+from mage_gen.ops.base import shape_dict
 from mage_gen.ops.rmsnorm import RMSNorm
 from mage_gen.runtime import Prepared
-from mage_gen.store import gpu_slug, load_winner, write_atomic
+from mage_gen.store import gpu_slug, load_winner, tuned_shapes, write_atomic
 from mage_gen.timing import round_ratio
 
 TUNE_OUT = "/tmp/mage-gen-bench-kernels"
@@ -48,13 +50,18 @@ def parse_shape(text: str) -> tuple[int, int, int]:
     return m, n, k
 
 
-def product_params(op, shape, device, tune_missing: bool, untuned: bool, tune_flags: list[str]):
+def product_params(op, shape, device, tune_missing: bool, untuned: bool, tune_flags: list[str],
+                   classes: bool = False):
     """A matrix product's (params, how they were chosen): this GPU's tuned winner (tuned first with `tune_flags`
-    where asked), or with untuned the op's default config where none is stored."""
+    where asked); else with classes the entry dispatch.CLASS_RULE picks (what the runtime runs); else with untuned
+    the op's default config."""
     flags = ["--m", str(shape.m), "--n", str(shape.n), "--k", str(shape.k), *tune_flags]
     try:
         return winner_params(op, shape, device, tune_missing, flags), "tuned"
     except StoreError:
+        served = choose_class(op, shape, tuned_shapes(op, device.name)) if classes else None
+        if served is not None:
+            return served[1], f"class: the entry tuned at {shape_dict(served[0])}"
         if not untuned:
             raise
     params = op.params_from_dict(op.defaults(shape))

@@ -2,7 +2,8 @@
 layers of Llama-3-8B and 70B, M ∈ {16, 128, 512, 2048, 8192} tokens, bf16 in, fp32 sums, C bf16, B given N×K (an
 nn.Linear weight). Hot and cold in interleaved rounds paired by round, TFLOP/s and the share of cuBLAS's
 throughput, every kernel and peer gated first (bench/gemm_sm90.py's bench_one). Each shape runs this GPU's tuned
-winner (--tune-missing tunes one first, with --preset; --untuned takes the op's default config). The result file
+winner (--tune-missing tunes one first, with --preset; --classes takes the entry tuned at the nearest M, as the
+runtime and mage_gen.torch.linear do; --untuned takes the op's default config). The result file
 is rewritten after every shape, so a run cut short keeps what it measured. Writes
 bench/results/<gpu>/gemm_llm.json.
 
@@ -52,7 +53,9 @@ def summarize(rows: list[dict], complete: bool, whole: bool) -> dict:
             "bf16 cold share of cuBLAS, geomean": geomean(cold), f"below {FLOOR_TARGET} hot": below,
             "targets": targets, "fp8": "not built: gemm_sm90 takes bf16 A and B only",
             "all_targets_met": all(targets.values()),
-            "untuned": [f"{r['m']}x{r['n']}x{r['k']}" for r in rows if r["chosen"] != "tuned"]}
+            "untuned": [f"{r['m']}x{r['n']}x{r['k']}" for r in rows if r["chosen"].startswith("untuned")],
+            "served by a class tuned at another M": [f"{r['m']}x{r['n']}x{r['k']}" for r in rows
+                                                     if r["chosen"].startswith("class")]}
 
 
 def main() -> None:
@@ -61,6 +64,8 @@ def main() -> None:
     parser.add_argument("--m", type=int, action="append", help=f"tokens (default: {', '.join(map(str, TOKENS))})")
     parser.add_argument("--tune-missing", action="store_true", help="tune a shape that has no winner in tuned/")
     parser.add_argument("--preset", help="the search preset --tune-missing tunes over (default: the op's)")
+    parser.add_argument("--classes", action="store_true",
+                        help="where M is not tuned, bench the params tuned at the nearest M of the same N, K")
     parser.add_argument("--untuned", action="store_true", help="bench the default config where nothing is tuned")
     parser.add_argument("--out", default="gemm_llm.json", help="result file name under bench/results/<gpu>/")
     args = parser.parse_args()
@@ -75,7 +80,7 @@ def main() -> None:
     rows: list[dict] = []
     for done, (model, layer, m, n, k) in enumerate(cases, 1):
         shape = op.shape(m=m, n=n, k=k)
-        params, chosen = product_params(op, shape, device, args.tune_missing, args.untuned, tune_flags)
+        params, chosen = product_params(op, shape, device, args.tune_missing, args.untuned, tune_flags, args.classes)
         row = {"model": model, "layer": layer, **bench_one(op, shape, params, chosen, device)}
         rows.append(row)
         hot, cold = share(row, "hot"), share(row, "cold")

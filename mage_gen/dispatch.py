@@ -1,8 +1,9 @@
 """Which tuned entry serves a launch. An op whose kernels take a size at launch (layer norm's M) is tuned
 at one or more run sizes, and tuned/ keeps one entry per size class: the run size it was tuned at. A
 launch of any size takes the class that RULE picks. An op whose sizes are all fixed at generation
-(matmul) has one entry per shape; a shape with none borrows the params of the nearest tuned shape that
-they are valid for, and where there is none the op's default config.
+(matmul) has one entry per shape. Where it declares some of them class dims (gemm_sm90: M), its entries are
+size classes over those: a shape with no entry of its own runs the params of the entry CLASS_RULE picks,
+compiled for its own sizes. The command line's nearest-shape hint (nearest_shape) is only a suggestion.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from mage_gen.ops.base import shape_dict
 RULE = ("the entries on the launch's side of the L2 size first (the bytes a launch must move at most the "
         "GPU's L2: L2-resident; more: DRAM-bound), of those the one tuned at the nearest run size on a log "
         "scale (the larger on a tie); where no entry is on the launch's side, the nearest of all")
+CLASS_RULE = ("of the entries equal to the launch's shape in every field but the class dims (gemm_sm90: the same "
+              "N, K, precision, C type and B layout), whose params are valid for its sizes, the one tuned at the "
+              "nearest class sizes on a log scale (the larger on a tie); none: the shape is untuned")
 # --m auto: the L2-resident size fills at most this share of the L2, the DRAM-bound one at least this many L2s,
 # so that neither sits near the boundary where hot and cold timings blur.
 AUTO_L2_SHARE = 0.5
@@ -81,6 +85,30 @@ def auto_runs(op: Op, shape: Any, l2_bytes: int) -> list[dict[str, int]]:
     for run in runs:
         op.check_run(run)
     return runs
+
+
+def choose_class(op: Op, shape: Any, tuned: dict[Any, Any]) -> tuple[Any, Any] | None:
+    """(tuned shape, its params) that CLASS_RULE picks to serve `shape`, or None; `tuned` maps each tuned shape
+    to its params."""
+    if not op.class_dims:
+        return None
+    mine = vars(shape)  # every field, defaults too (shape_dict leaves them out)
+    sizes = {name: mine[name] for name in op.class_dims}
+    usable = []
+    for other, params in tuned.items():
+        theirs = vars(other)
+        if any(theirs[k] != v for k, v in mine.items() if k not in sizes):
+            continue
+        try:
+            op.validate(shape, params)
+        except ConfigError:
+            continue
+        at = {name: theirs[name] for name in sizes}
+        usable.append(((_distance(sizes, at), [-at[name] for name in op.class_dims]), other, params))
+    if not usable:
+        return None
+    _, other, params = min(usable, key=lambda u: u[0])
+    return other, params
 
 
 def nearest_shape(op: Op, shape: Any, tuned: dict[Any, Any]) -> tuple[Any, Any] | None:

@@ -3,9 +3,10 @@ launches, CUDA graphs and events. Every CUresult is checked and named in the err
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -361,6 +362,24 @@ class EventSeries:
         for event in self.events:
             check(cu.cuEventDestroy(event), "cuEventDestroy")
         self.events = []
+
+
+def capturing(stream: int) -> bool:
+    """Whether `stream` is being captured into a graph (work queued on it is recorded, not run)."""
+    status = check(cu.cuStreamIsCapturing(stream), "cuStreamIsCapturing")
+    return status != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+
+
+@contextlib.contextmanager
+def relaxed_capture() -> Iterator[None]:
+    """This thread may call what a capture in global mode refuses (cuMemAlloc) meanwhile, as torch's allocator
+    does: the allocation is not part of any graph."""
+    previous = check(cu.cuThreadExchangeStreamCaptureMode(cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED),
+                     "cuThreadExchangeStreamCaptureMode")
+    try:
+        yield
+    finally:
+        check(cu.cuThreadExchangeStreamCaptureMode(previous), "cuThreadExchangeStreamCaptureMode")
 
 
 def reset_persisting_l2() -> None:

@@ -6,10 +6,11 @@
     runtime.gemm(c, a, b, m=16, n=4096, k=4096, stream=0)   # bf16 C = A·Bᵀ on Hopper, a tuned shape only
 
 The kernel for a launch is this GPU's tuned entry for the shape, of the size class dispatch.RULE picks for
-the run size; a shape with no usable entry compiles a default config (NVRTC, cached on disk) and warns once
-(matmul and gemm refuse it instead).
+the run size; a shape with no entry of its own, of an op with class dims (gemm: M), runs the params of the entry
+dispatch.CLASS_RULE picks, compiled for its sizes; a shape with neither compiles a default config (NVRTC, cached
+on disk) and warns once (matmul and gemm refuse it instead).
 A kernel is loaded once per CUDA context (the calling thread's current one; the device's primary context
-where it has none) and launched on the stream given. Uses store, compile and gpu only: importing it costs
+where it has none) and launched on the stream given. Uses store, variants (compile) and gpu only: importing it costs
 what a launch needs, never Optuna, the measuring code or the peers.
 """
 
@@ -23,13 +24,15 @@ from functools import lru_cache
 from types import MappingProxyType
 from typing import Any
 
-from mage_gen import gpu
-from mage_gen.census import Census, aligned_contract, take_census
-from mage_gen.compile import compile_source
+import numpy as np
+
+from mage_gen import dispatch, gpu
+from mage_gen.census import Census, aligned_contract
 from mage_gen.errors import ConfigError, LaunchError, StoreError
 from mage_gen.ops import OPS, Op, get_op
-from mage_gen.ops.base import TensorMapSpec, refuse_working_args, shape_dict, tensor_maps
-from mage_gen.store import load_winners, pick_winner, store_file, tuned_dirs
+from mage_gen.ops.base import WORKING_KINDS, TensorMapSpec, launch_args, shape_dict, tensor_maps
+from mage_gen.store import load_winners, pick_winner, store_file, tuned_dirs, tuned_shapes
+from mage_gen.variants import build
 
 # Each op's default_candidates, by name, read-only: the ops declare them
 DEFAULT_CANDIDATES = MappingProxyType({name: op.default_candidates for name, op in OPS.items()})
@@ -64,7 +67,13 @@ class Prepared:
         self._maps = tuple((name, spec, self.arg_names.index(spec.tensor)) for name, spec in maps.items())
         self._encoded: OrderedDict[tuple[str, int], bytes] = OrderedDict()
         self._alignment_mask = max(self._alignments.values(), default=1) - 1  # alignments are powers of two
-        kinds = ["ptr" if a.kind in ("in", "out") else a.kind for a in op.args(shape)] + ["tmap"] * len(maps)
+        # buffers the kernel needs beside the caller's tensors (a split-K workspace and counters), each stream its own
+        working = [a for a in launch_args(op, shape, params) if a.kind in WORKING_KINDS]
+        self._working = tuple((a.kind, max(a.elements, 1) * np.dtype(a.dtype).itemsize) for a in working)
+        self._working_by_stream: dict[int, tuple[gpu.Buffer, ...]] = {}
+        self._working_in_graphs: list[tuple[gpu.Buffer, ...]] = []
+        kinds = (["ptr" if a.kind in ("in", "out") else a.kind for a in op.args(shape)] + ["ptr"] * len(working)
+                 + ["tmap"] * len(maps))
         self._launch = gpu.FixedLaunch(kernel, geometry.grid, geometry.block, geometry.dynamic_shared_bytes, kinds,
                                        geometry.cluster)
         self._lock = threading.Lock()  # the argument values are shared by every thread launching this kernel
@@ -75,9 +84,30 @@ class Prepared:
             if not address or address & self._alignment_mask:  # the strictest alignment first, then each its own
                 check_alignment(self.op_name, self._alignments, dict(zip(self.arg_names, values)))
         with self._lock:
+            if self._working:
+                values = [*values, *self._working_buffers(stream)]
             if self._maps:
                 values = [*values, *(self._tensor_map(name, spec, values[at]) for name, spec, at in self._maps)]
             self._launch.launch(values, stream)
+
+    def _working_buffers(self, stream: int) -> list[int]:
+        """The addresses of this stream's working buffers, made on its first launch: a zeroed one (split K's
+        counters, which each launch leaves zero) is cleared on the stream before that launch. Launches on one stream
+        run in order, so they may share them; two streams may not. A graph being captured gets buffers of its own,
+        cleared before each replay by the memset it records, kept as long as this launch is."""
+        buffers = self._working_by_stream.get(stream)
+        if buffers is None:
+            in_graph = gpu.capturing(stream)
+            with gpu.relaxed_capture():
+                buffers = tuple(gpu.Buffer(nbytes) for _, nbytes in self._working)
+            for (kind, _), buffer in zip(self._working, buffers):
+                if kind == "zeroed":
+                    buffer.fill32(0, stream)
+            if in_graph:
+                self._working_in_graphs.append(buffers)
+            else:
+                self._working_by_stream[stream] = buffers
+        return [buffer.ptr for buffer in buffers]
 
     def _tensor_map(self, name: str, spec: TensorMapSpec, address: int) -> bytes:
         """The map `name` encoded over `address`: from the cache, else by the driver (microseconds)."""
@@ -138,10 +168,12 @@ def matmul(c: int, a: int, b: int, m: int, n: int, k: int, stream: int = 0, *, d
 def gemm(c: int, a: int, b: int, m: int, n: int, k: int, stream: int = 0, *, device: int = 0,
          c_dtype: str = "bf16", b_layout: str = "nk") -> None:
     """C = A·Bᵀ (b_layout nk: B N×K, an nn.Linear weight) or C = A·B (kn: B K×N) on Hopper's tensor cores (op
-    gemm_sm90): A (m×k) and B bfloat16, C (m×n) c_dtype (bf16 or fp32), all row-major, for an (m, n, k) tuned on
-    this GPU; other shapes are refused, as matmul's. Rows of A and of B are K (a K×N B: N) elements rounded up to a
+    gemm_sm90): A (m×k) and B bfloat16, C (m×n) c_dtype (bf16 or fp32), all row-major, for an (n, k) tuned on this
+    GPU at some M: the entry tuned at the nearest M (dispatch.CLASS_RULE) runs, compiled for this m (once; NVRTC
+    caches it on disk); an (n, k) tuned at no M is refused. Rows of A and of B are K (a K×N B: N) elements rounded up to a
     multiple of 8 apart, C's n; A and B start on 16 bytes (TMA), C on its element pairs (16 bytes where the kernel
-    stores C by TMA). A split-K winner is refused: the runtime has no workspace to give it."""
+    stores C by TMA). A split-K winner gets its workspace and counters from the runtime, one set per stream: launches
+    on two streams at once never share them."""
     dims = {"m": m, "n": n, "k": k, "c_dtype": c_dtype, "b_layout": b_layout}
     _gemm_shape(m, n, k, c_dtype, b_layout)  # before any call to the driver
     if not (a and b and c) or (a | b) % TMA_ALIGNMENT:
@@ -200,20 +232,21 @@ def _prepare(op: Op, dims: dict[str, Any], run: dict[str, int], context: int, tu
         raise LaunchError(f"{op.name}: {exc}") from None
     device = gpu.device_info(gpu.current_device())
     params = choose(op, shape, run, device, tuned_only)
-    try:  # the runtime allocates no workspace: a split-K winner is refused, not launched without one
-        refuse_working_args(op, shape, params, "the runtime")
+    try:  # for the target the op's instructions need (gemm_sm90: sm_90a), or refused where the GPU lacks them
+        variant = build(op, shape, params, device.arch)
     except ConfigError as exc:
         raise LaunchError(f"{op.name}: {exc}") from None
-    compiled = compile_source(op.source(shape, params), device.arch)
+    compiled = variant.compiled
     kernel = _modules.get((context, compiled.key))
     if kernel is None:
         kernel = _modules[(context, compiled.key)] = gpu.Kernel(
             compiled.cubin, compiled.kernel_name, op.geometry(shape, params, run).dynamic_shared_bytes)
-    return Prepared(op, shape, params, run, kernel, take_census(compiled))
+    return Prepared(op, shape, params, run, kernel, variant.census)
 
 
 def choose(op: Op, shape: Any, run: dict[str, int], device: gpu.DeviceInfo, tuned_only: bool) -> Any:
-    """The params of the tuned class dispatch.RULE picks, else of a default config (warned about once)."""
+    """The params of the tuned class dispatch.RULE picks; for a shape with no entry of its own, of the entry
+    dispatch.CLASS_RULE picks where the op has class dims; else of a default config (warned about once)."""
     why = ""
     for folder in tuned_dirs():
         if not store_file(op.name, device.name, folder).exists():
@@ -222,8 +255,19 @@ def choose(op: Op, shape: Any, run: dict[str, int], device: gpu.DeviceInfo, tune
             winners = load_winners(op, shape, device.name, folder)
         except StoreError as exc:
             why = str(exc)
+            served = dispatch.choose_class(op, shape, tuned_shapes(op, device.name, folder))
+            if served is not None:
+                return served[1]
             continue
         return pick_winner(op, shape, winners, run, device.l2_bytes).params
+    if tuned_only and op.class_dims:
+        from mage_gen.emit import shape_arguments  # only on this error: the runtime imports what a launch needs
+
+        fixed = ", ".join(f"{k}={v}" for k, v in shape_dict(shape).items() if k not in op.class_dims)
+        classes = "/".join(op.class_dims).upper()
+        raise LaunchError(f"{op.name}: nothing is tuned for {fixed} at any {classes} on {device.name}; tune it, e.g. "
+                          f"`mage-gen tune {op.name} {shape_arguments(shape, every_field=False)}` (each {classes} "
+                          f"tuned also serves the {classes}s nearest it)")
     if tuned_only:
         raise LaunchError(f"{op.name}: no tuned kernel for {shape_dict(shape)} on {device.name} "
                           f"({why or 'none in ' + ', '.join(map(str, tuned_dirs()))}); tune it with mage-gen tune")

@@ -15,7 +15,7 @@ from typing import Any
 from mage_gen.compile import arch_number
 from mage_gen.errors import ConfigError
 from mage_gen.ops import Op
-from mage_gen.ops.base import OpFamily
+from mage_gen.ops.base import WAVES, OpFamily
 from mage_gen.resources import data_dir
 
 
@@ -28,7 +28,7 @@ class Space:
     # every other axis at the op's default: the shapes of the peers' kernels, so that no search over a space
     # that holds a peer's shape can miss it
     first: tuple[tuple[tuple[str, Any], ...], ...] = ()
-    # the spec gives some axis values per SM ("4/SM") and no SM count was given: those values are left out
+    # the spec gives some axis values per SM ("4/SM", "waves") and no SM count was given: those values are left out
     needs_sms: bool = False
 
     def narrowed(self, **values: tuple[Any, ...]) -> Space:
@@ -71,7 +71,11 @@ def load_space(op: Op, preset: str | None = None, shape: Any = None, sms: int | 
             raise ConfigError(f"space: preset {preset} of {path.name} narrows unknown axis {name!r}")
         axes[name] = values
     fitted = {k: _on_device(v, sms) for k, v in axes.items()}
-    needs_sms = sms is None and any(isinstance(v, str) and _PER_SM.fullmatch(v) for vs in axes.values() for v in vs)
+    needs_sms = sms is None and any(isinstance(v, str) and (_PER_SM.fullmatch(v) or v == WAVES)
+                                    for vs in axes.values() for v in vs)
+    if shape is not None and sms is not None:
+        fitted = op.fit_device(shape, fitted, sms)
+    fitted = {k: tuple(v for v in values if v != WAVES) for k, values in fitted.items()}  # unresolved: left out
     if shape is not None:
         fitted = op.fit_space(shape, fitted)
     return Space(op=op.name, preset=preset, axes=tuple(fitted.items()), first=_first(path, spec), needs_sms=needs_sms)

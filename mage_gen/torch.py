@@ -1,15 +1,16 @@
 """mage-gen's tuned kernels as PyTorch ops.
 
-    from mage_gen.torch import layer_norm, matmul, rms_norm
+    from mage_gen.torch import layer_norm, linear, matmul, rms_norm
     y = layer_norm(x, weight, bias, eps=1e-5)   # x: (..., d) CUDA; weight, bias: (d,)
     y = rms_norm(x, weight, eps=1e-6)           # x: (..., d) CUDA; weight: (d,)
     y, h = rms_norm(x, weight, residual=r)      # h = x + r (rounded as torch rounds it), y = rms_norm(h)
-    c = matmul(a, b)                            # a: (M, K), b: (K, N) float32 CUDA, a tuned (M, N, K)
+    y = linear(x, weight, bias=None)            # x: (..., K), weight: (N, K) bf16 CUDA, an (N, K) tuned at some M
+    c = matmul(a, b)                            # a: (M, K), b: (K, N): float32 at a tuned (M, N, K); bf16 as linear
 
 x (and residual) are float32, bfloat16 or float16; weight and bias x's dtype or float32; the statistics are
 fp32 whatever the dtype. They are torch.library custom ops (mage_gen::layer_norm, mage_gen::rms_norm, their
-_residual forms, mage_gen::matmul) with fake implementations, so torch.compile(fullgraph=True) keeps them in
-its graph. They launch through mage_gen.runtime on torch's
+_residual forms, mage_gen::linear, mage_gen::matmul) with fake implementations, so torch.compile(fullgraph=True)
+keeps them in its graph. They launch through mage_gen.runtime on torch's
 current stream (inside torch.cuda.graph capture too). In eager mode, with plain tensors and no dispatch mode
 active, the wrappers call the implementation directly: the dispatcher's round trip would cost more than the
 kernel at small sizes.
@@ -17,18 +18,18 @@ kernel at small sizes.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from mage_gen import gpu, runtime
-from mage_gen.errors import GpuError, LaunchError
+from mage_gen.errors import ConfigError, GpuError, LaunchError
 from mage_gen.ops import Op, get_op
 from mage_gen.ops.layernorm import MAX_ROWS
 
 # Looked up once: an eager call's checks and launch are a good part of its cost at small sizes.
-_Tensor, _float32, _grad_enabled, _is_compiling = torch.Tensor, torch.float32, torch.is_grad_enabled, torch.compiler.is_compiling
+_Tensor, _float32, _bfloat16, _grad_enabled, _is_compiling = torch.Tensor, torch.float32, torch.bfloat16, torch.is_grad_enabled, torch.compiler.is_compiling
 _ACTIVATIONS = (torch.float32, torch.bfloat16, torch.float16)  # what a norm's x may be
 _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # A CPU-only torch has neither, and no CUDA tensor that could reach a launch.
@@ -36,6 +37,7 @@ _current_device = getattr(torch._C, "_cuda_getDevice", None)
 _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 # The ops served here; each names the function of this module that launches it (Op.torch_name), as errors say
 _LAYER_NORM, _RMS_NORM, _MATMUL = get_op("layernorm"), get_op("rmsnorm"), get_op("matmul")
+_GEMM = get_op("gemm_sm90")  # Hopper's tensor cores: linear, and matmul in bf16
 
 
 def _check_tensor(fn: str, name: str, t: torch.Tensor, device: torch.device | None = None,
@@ -261,13 +263,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, residu
 
 def _check_matmul(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int, int]:
     fn = _MATMUL.torch_name
-    _check_tensor(fn, "a", a)
-    _check_tensor(fn, "b", b, a.device)
+    _check_tensor(fn, "a", a, dtypes=(torch.float32, _bfloat16))
+    _check_tensor(fn, "b", b, a.device, dtypes=(a.dtype,))
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise LaunchError(f"{fn}: a must be (M, K) and b (K, N), got {tuple(a.shape)} and {tuple(b.shape)}")
     (m, k), n = a.shape, b.shape[1]
     if min(m, n, k) < 1:
         raise LaunchError(f"{fn}: empty product {m}×{k} · {k}×{n}; every size must be at least 1")
+    if a.dtype is _bfloat16:
+        _check_gemm(fn, m, n, k, "kn")
     return m, n, k
 
 
@@ -286,6 +290,9 @@ def _matmul_impl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     m, n, k = _check_matmul(a, b)
     c = torch.empty((m, n), dtype=a.dtype, device=a.device)
     index = a.get_device()
+    if a.dtype is _bfloat16:
+        _gemm(index, c, a, b, m, n, k, "kn")
+        return c
     prepared = launches.get((index, _MATMUL.name, m, n, k))
     if prepared is None:
         prepared = launches[(index, _MATMUL.name, m, n, k)] = _prepare(index, _MATMUL.name, {"m": m, "n": n, "k": k},
@@ -295,7 +302,84 @@ def _matmul_impl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b in float32 (fused multiply-adds, never TF32) for a shape tuned on this GPU; others are refused."""
+    """a @ b for a (M, K) and b (K, N). float32: fused multiply-adds, never TF32, for an (M, N, K) tuned on this
+    GPU; bfloat16: on Hopper's tensor cores (fp32 accumulation, a bf16 result), for an (N, K) tuned at some M
+    (the entry tuned at the nearest M runs; K and N multiples of 8). Other shapes are refused."""
     if is_eager(a, b):
         return _matmul_impl(a, b)
     return _matmul_op(a, b)
+
+
+def _check_gemm(fn: str, m: int, n: int, k: int, b_layout: str) -> None:
+    """Refuse what the Hopper kernel cannot take, before anything reaches the GPU."""
+    # TMA reads rows that start on 16 bytes: a contiguous tensor's rows are K (for a K×N b, N) elements apart
+    for name, size in (("K", k),) + ((("N", n),) if b_layout == "kn" else ()):
+        if size % 8:
+            raise LaunchError(f"{fn}: {name} = {size} is not a multiple of 8, and the kernel reads rows of 16 bytes "
+                              f"(TMA); pad {name} to a multiple of 8 with zeros, or use torch for this layer")
+    try:
+        _GEMM.shape(m=m, n=n, k=k, b_layout=b_layout)
+    except ConfigError as exc:
+        raise LaunchError(f"{fn}: {exc}") from None
+
+
+def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, int]:
+    """(M, N, K) of F.linear(x, weight, bias) for the Hopper kernel, or an error naming the argument."""
+    fn = _GEMM.torch_name
+    _check_tensor(fn, "x", x, dtypes=(_bfloat16,))
+    _check_tensor(fn, "weight", weight, x.device, dtypes=(_bfloat16,))
+    if x.dim() < 1 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise LaunchError(f"{fn}: x must be (..., K) and weight (N, K), got {tuple(x.shape)} and "
+                          f"{tuple(weight.shape)}")
+    n, k = weight.shape
+    if bias is not None:
+        _check_tensor(fn, "bias", bias, x.device, dtypes=(_bfloat16,))
+        if tuple(bias.shape) != (n,):
+            raise LaunchError(f"{fn}: bias must have shape ({n},), one per output feature, got {tuple(bias.shape)}")
+    if n < 1 or k < 1:
+        raise LaunchError(f"{fn}: weight {tuple(weight.shape)} is empty; N and K must be at least 1")
+    m = x.numel() // k
+    if m:
+        _check_gemm(fn, m, n, k, "nk")
+    return m, n, k
+
+
+@torch.library.custom_op("mage_gen::linear", mutates_args=())
+def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return _linear_impl(x, weight, bias)
+
+
+@_linear_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    _check_linear(x, weight, bias)
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _linear_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    m, n, k = _check_linear(x, weight, bias)
+    y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    if m:
+        _gemm(x.get_device(), y, x, weight, m, n, k, "nk")
+        if bias is not None:
+            y.add_(bias)  # a second kernel: the Hopper kernel's epilogue has no bias
+    return y
+
+
+def _gemm(index: int, c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, m: int, n: int, k: int,
+          b_layout: str) -> None:
+    key = (index, _GEMM.name, m, n, k, b_layout)
+    prepared = launches.get(key)
+    if prepared is None:
+        prepared = launches[key] = _prepare(index, _GEMM.name, {"m": m, "n": n, "k": k, "b_layout": b_layout}, {},
+                                            tuned_only=True)
+    _launch(prepared, index, (c.data_ptr(), a.data_ptr(), b.data_ptr()))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) in bfloat16 on Hopper's tensor cores (fp32 accumulation, one rounding to bf16):
+    x (..., K), weight (N, K) as nn.Linear keeps it, bias (N,) or None, all contiguous CUDA bf16, K a multiple of
+    8. The kernel is this GPU's entry tuned for (N, K) at the M (rows of x) nearest this one's, compiled for this
+    M on first use; an (N, K) tuned at no M is refused. bias is added by a second kernel."""
+    if is_eager(x, weight) and (bias is None or type(bias) is _Tensor):
+        return _linear_impl(x, weight, bias)
+    return _linear_op(x, weight, bias)

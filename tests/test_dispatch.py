@@ -135,3 +135,48 @@ def test_an_entry_records_its_size_class_and_the_rule():
     assert recorded == {"m": 65536, "regime": "dram", "bytes_moved": LN.bytes_moved(D768, {"m": 65536}),
                         "l2_bytes": L2, "rule": dispatch.RULE}
     assert dispatch.record(MM, MM.shape(m=8, n=8, k=8), {}, L2) is None
+
+
+GEMM = get_op("gemm_sm90")
+
+
+def gemm_entries(*ms, n=4096, k=4096, **options):
+    return {GEMM.shape(m=m, n=n, k=k, **options): GEMM.params_from_dict(
+        {"bm": 64, "consumers": 1, "stages": m % 7 + 2} if m < 256 else {"stages": m % 7 + 2})
+            for m in ms}
+
+
+@pytest.mark.parametrize("m, served", [(1, 16), (16, 16), (40, 16), (64, 128), (100, 128), (256, 512),
+                                       (1448, 512), (1449, 4096), (100000, 4096)])
+def test_a_gemm_at_an_untuned_m_takes_the_entry_tuned_at_the_nearest_m_on_a_log_scale(m, served):
+    # 64 is 4× from 16 and 2× from 128; 1448 < √(512·4096) = 1448.2 < 1449
+    other, params = dispatch.choose_class(GEMM, GEMM.shape(m=m, n=4096, k=4096), gemm_entries(16, 128, 512, 4096))
+    assert other.m == served and params == gemm_entries(served)[other]
+
+
+def test_a_tie_between_two_classes_goes_to_the_larger_m():
+    other, _ = dispatch.choose_class(GEMM, GEMM.shape(m=64, n=4096, k=4096), gemm_entries(32, 128))
+    assert other.m == 128
+
+
+def test_a_class_serves_only_its_own_n_k_and_types():
+    tuned = {**gemm_entries(16), **gemm_entries(4096, n=8192), **gemm_entries(512, c_dtype="fp32"),
+             **gemm_entries(128, b_layout="kn")}
+    assert dispatch.choose_class(GEMM, GEMM.shape(m=4096, n=4096, k=4096), tuned)[0].m == 16
+    assert dispatch.choose_class(GEMM, GEMM.shape(m=16, n=4096, k=4096, c_dtype="fp32"), tuned)[0].m == 512
+    assert dispatch.choose_class(GEMM, GEMM.shape(m=16, n=4096, k=4096, b_layout="kn"), tuned)[0].m == 128
+    assert dispatch.choose_class(GEMM, GEMM.shape(m=16, n=4096, k=2048), tuned) is None
+
+
+def test_a_class_whose_params_are_invalid_at_the_launch_m_is_passed_over():
+    tuned = gemm_entries(16, 4096)
+    broken = GEMM.params_from_dict({"bm": 64, "cluster": 2, "multicast": "a"})  # a cluster of rows needs two tile rows
+    tuned[GEMM.shape(m=16, n=4096, k=4096)] = broken
+    with pytest.raises(Exception):
+        GEMM.validate(GEMM.shape(m=32, n=4096, k=4096), broken)
+    assert dispatch.choose_class(GEMM, GEMM.shape(m=32, n=4096, k=4096), tuned)[0].m == 4096
+
+
+def test_an_op_without_class_dims_borrows_nothing_at_launch():
+    default = MM.params_from_dict({})
+    assert dispatch.choose_class(MM, MM.shape(m=1000, n=1024, k=1024), {MM.shape(m=1024, n=1024, k=1024): default}) is None

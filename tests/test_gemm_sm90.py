@@ -297,3 +297,26 @@ def test_drawn_small_configs_pass_the_gate_on_the_interpreter(data):
         reject()
     result = interp.gate(OP, shape, build(OP, shape, params, "sm_90"), {}, np.random.default_rng(0))
     assert result.passed, f"{params.label()} at {shape}: {result.reason}"
+
+
+def test_the_waves_n_tile_is_worked_out_from_the_sm_count_and_the_shape():
+    from mage_gen.ops.gemm_sm90 import wave_tile
+    from mage_gen.space import load_space
+
+    decode = OP.shape(m=16, n=4096, k=4096)
+    assert wave_tile(decode, 64, 132) == 32  # 128 tiles on 132 SMs, where 64 leaves half of them idle
+    assert wave_tile(decode, 64, 66) == 64  # half the SMs: 64 tiles fill them as well as 128 in two waves
+    assert wave_tile(OP.shape(m=16, n=4096, k=4096, b_layout="kn"), 64, 132) == 64  # a K×N B takes 64-column boxes
+    assert dict(load_space(OP, "skinny", decode, sms=132).axes)["bn"] == (64, 96, 128, 192, 256, 32)
+    assert dict(load_space(OP, "skinny", OP.shape(m=256, n=4096, k=4096), sms=132).axes)["bn"] == (64, 96, 128, 192, 256)
+    unsized = load_space(OP, "skinny", decode)  # no GPU named: nothing to fill, so no such value
+    assert dict(unsized.axes)["bn"] == (64, 96, 128, 192, 256) and unsized.needs_sms
+
+
+@pytest.mark.parametrize("bn", [32, 48, 112])
+def test_narrow_n_tiles_a_wave_picks_match_numpy_bit_for_bit_on_the_interpreter(bn):
+    shape = OP.shape(m=16, n=2 * bn + 9, k=73)  # a tail tile past N
+    variant = build(OP, shape, OP.params_from_dict({**SMALL, "bn": bn, "grid": 2}), "sm_90")
+    inputs = _whole_numbers(shape, np.random.default_rng(bn))
+    out = interp.launch_with(OP, shape, variant, {}, inputs)["C"]
+    assert np.array_equal(out.view(np.uint8), BFLOAT16.round(OP.reference(shape, inputs, {})["C"]).view(np.uint8))

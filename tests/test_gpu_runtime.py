@@ -264,3 +264,157 @@ def test_raw_runtime_gemm_runs_a_stored_winner_against_torch(m):
     graph.replay()
     torch.cuda.synchronize()
     assert relative_error(c, a.double() @ weight.double().T) <= tolerance
+
+
+GEMM = get_op("gemm_sm90")
+
+
+def on_h200() -> None:
+    from mage_gen import gpu
+
+    if gpu.device_info(torch.cuda.current_device()).name != "NVIDIA H200":
+        pytest.skip("the gemm_sm90 winners stored are the H200's")
+
+
+def bf16_inputs(lead: tuple[int, ...], n: int, k: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(*lead, k, device="cuda", generator=g).to(torch.bfloat16)
+    weight = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).to(torch.bfloat16)
+    return x, weight, torch.randn(n, device="cuda", generator=g).to(torch.bfloat16)
+
+
+def linear_tolerance(m: int, n: int, k: int, bias: bool) -> float:
+    from mage_gen.dtypes import BFLOAT16
+
+    # with a bias, the sum rounds to bf16 once more: another unit roundoff
+    return GEMM.tolerance_of(GEMM.shape(m=m, n=n, k=k), "C", BFLOAT16) + (2 ** -8 if bias else 0)
+
+
+@pytest.mark.parametrize("lead, with_bias", [((1,), False), ((16,), False), ((5, 8), True), ((128,), False),
+                                             ((300,), True), ((512,), False), ((2, 1024), False), ((4096,), True)])
+def test_linear_matches_float64_at_any_m_of_a_tuned_n_k(lead, with_bias):
+    """N = K = 4096 is tuned at M = 16, 128, 512 and 4096: every other M runs the nearest class's params."""
+    on_h200()
+    n = k = 4096
+    x, weight, bias = bf16_inputs(lead, n, k, sum(lead))
+    torch.full((*lead, n), float("nan"), device="cuda", dtype=torch.bfloat16)  # the block y will reuse
+    y = mt.linear(x, weight, bias if with_bias else None)
+    torch.cuda.synchronize()
+    ref = torch.nn.functional.linear(x.double(), weight.double(), bias.double() if with_bias else None)
+    assert y.shape == (*lead, n) and y.dtype == torch.bfloat16
+    assert not torch.isnan(y).any()
+    m = x.numel() // k
+    assert relative_error(y, ref) <= linear_tolerance(m, n, k, with_bias), f"M={m}"
+
+
+def test_linear_replays_in_a_cuda_graph_on_fresh_inputs():
+    on_h200()
+    x, weight, bias = bf16_inputs((200,), 4096, 4096, 21)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        mt.linear(x, weight, bias)  # compile and load before capture, as torch asks of any warm-up
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = mt.linear(x, weight, bias)
+    for seed in (22, 23):
+        x.copy_(bf16_inputs((200,), 4096, 4096, seed)[0])
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+        assert relative_error(y, ref) <= linear_tolerance(200, 4096, 4096, True)
+
+
+def test_linear_compiles_in_one_graph_with_inductor():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    on_h200()
+
+    class Mlp(torch.nn.Module):
+        def __init__(self, up, down):
+            super().__init__()
+            self.register_buffer("up", up)
+            self.register_buffer("down", down)
+
+        def forward(self, x):
+            return mt.linear(torch.relu(mt.linear(x * 2, self.up)), self.down) + 1
+
+    x, up, _ = bf16_inputs((3, 40), 4096, 4096, 31)
+    down = bf16_inputs((1,), 4096, 4096, 32)[1]
+    counter = CompileCounterWithBackend("inductor")
+    torch._dynamo.reset()
+    y = torch.compile(Mlp(up, down), fullgraph=True, backend=counter)(x)
+    torch.cuda.synchronize()
+    hidden = torch.nn.functional.linear(2 * x.double(), up.double()).relu().to(torch.bfloat16)  # rounded as ours
+    ref = torch.nn.functional.linear(hidden.double(), down.double()) + 1
+    assert counter.frame_count == 1
+    assert relative_error(y, ref) <= 2 * linear_tolerance(120, 4096, 4096, True)
+
+
+def test_linear_refuses_bad_input_in_one_line_without_reaching_the_gpu(monkeypatch):
+    from test_runtime import BAD_LINEAR  # the CPU test's table, here on real tensors
+
+    monkeypatch.setattr(mt, "_prepare", lambda *args, **kw: pytest.fail("prepared a launch for bad input"))
+    monkeypatch.setattr(mt, "_launch", lambda *args: pytest.fail("launched on bad input"))
+    for make, message in BAD_LINEAR:
+        x, weight, bias = make()
+        for call in (lambda: mt.linear(x, weight, bias), lambda: torch.ops.mage_gen.linear(x, weight, bias)):
+            with pytest.raises((LaunchError, TypeError), match="^mage_gen.torch.linear: " + message) as info:
+                call()
+            assert "\n" not in str(info.value)
+    with pytest.raises(LaunchError, match="requires grad"):
+        mt.linear(torch.ones(4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True),
+                  torch.ones(32, 64, device="cuda", dtype=torch.bfloat16))
+
+
+def test_an_untuned_n_k_and_a_misaligned_x_are_refused_in_one_line():
+    on_h200()
+    x, weight, _ = bf16_inputs((16,), 1024, 4096, 41)
+    with pytest.raises(LaunchError, match=r"^gemm_sm90: nothing is tuned for n=1024, k=4096 at any M on NVIDIA H200; tune it") as info:
+        mt.linear(x, weight)
+    assert "\n" not in str(info.value)
+    x, weight, _ = bf16_inputs((16 * 4096 + 8,), 4096, 1, 42)
+    shifted = x.view(-1)[4:4 + 16 * 4096].view(16, 4096)  # contiguous, 8 bytes past a 16-byte boundary
+    with pytest.raises(LaunchError, match="A at 0x[0-9a-f]+ is not a device address aligned to 16 bytes"):
+        mt.linear(shifted, bf16_inputs((1,), 4096, 4096, 43)[1])
+
+
+def test_a_split_k_kernel_from_the_runtime_computes_on_two_streams_and_in_a_graph():
+    """The runtime's working buffers: a workspace and counters per stream (cleared on its first launch, left zero by
+    each), and a graph's own, cleared by the memset it records."""
+    from mage_gen import gpu, runtime
+    from mage_gen.variants import build
+
+    on_h200()
+    m, n, k = 40, 4096, 4096
+    shape = GEMM.shape(m=m, n=n, k=k)
+    params = GEMM.params_from_dict({"bm": 64, "bn": 128, "consumers": 1, "stages": 8, "split_k": 4, "grid": 132})
+    variant = build(GEMM, shape, params, gpu.device_info(0).arch)
+    kernel = gpu.Kernel(variant.compiled.cubin, variant.source.kernel_name,
+                        GEMM.geometry(shape, params, {}).dynamic_shared_bytes)
+    prepared = runtime.Prepared(GEMM, shape, params, {}, kernel, variant.census)
+    x, weight, _ = bf16_inputs((m,), n, k, 51)
+    ref = torch.nn.functional.linear(x.double(), weight.double())
+    tolerance = linear_tolerance(m, n, k, False)
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    outs = [torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    for i, out in enumerate(outs):  # two launches on each stream, the streams running at once
+        stream = streams[i % 2]
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            prepared.launch((out.data_ptr(), x.data_ptr(), weight.data_ptr()), stream.cuda_stream)
+    torch.cuda.synchronize()
+    for out in outs:
+        assert relative_error(out, ref) <= tolerance
+    graph = torch.cuda.CUDAGraph()
+    y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    with torch.cuda.graph(graph):
+        prepared.launch((y.data_ptr(), x.data_ptr(), weight.data_ptr()), torch.cuda.current_stream().cuda_stream)
+    for seed in (52, 53):
+        x.copy_(bf16_inputs((m,), n, k, seed)[0])
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert relative_error(y, torch.nn.functional.linear(x.double(), weight.double())) <= tolerance

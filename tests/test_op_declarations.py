@@ -44,7 +44,7 @@ def test_an_op_declares_a_torch_name_of_mage_gen_torch_or_none(name):
 def test_the_torch_names_are_the_public_functions_of_mage_gen_torch():
     assert {op.name: op.torch_name for op in OPS.values() if op.torch_name} == {
         "layernorm": "mage_gen.torch.layer_norm", "rmsnorm": "mage_gen.torch.rms_norm",
-        "matmul": "mage_gen.torch.matmul"}
+        "matmul": "mage_gen.torch.matmul", "gemm_sm90": "mage_gen.torch.linear"}
 
 
 @pytest.mark.parametrize("name", list(OPS))

@@ -135,6 +135,73 @@ def test_matmul_arguments_are_checked():
         assert mt.matmul(fake(8, 16), fake(16, 32)).shape == (8, 32)
 
 
+BF16 = torch.bfloat16
+
+
+def bf16(*shape, device="cuda"):
+    return fake(*shape, dtype=BF16, device=device)
+
+
+# What F.linear would take but the Hopper kernel cannot, each refused in one line before anything reaches a GPU
+# (the GPU tests run the same table on real tensors)
+BAD_LINEAR = [
+    (lambda: (fake(4, 64), bf16(32, 64), None), "x must be bfloat16, got torch.float32"),
+    (lambda: (bf16(4, 64), fake(32, 64, dtype=torch.float16), None), "weight must be bfloat16, got torch.float16"),
+    (lambda: (bf16(4, 64), bf16(32, 64, device="cpu"), None), "weight must be on a CUDA device, got cpu"),
+    (lambda: (bf16(4, 64), bf16(32, 48), None), r"x must be \(..., K\) and weight \(N, K\), got \(4, 64\) and \(32, 48\)"),
+    (lambda: (bf16(4, 64), bf16(2, 32, 64), None), r"x must be \(..., K\) and weight \(N, K\)"),
+    (lambda: (bf16(4, 60), bf16(32, 60), None), "K = 60 is not a multiple of 8"),
+    (lambda: (bf16(4, 64), bf16(32, 64), bf16(33)), r"bias must have shape \(32,\)"),
+    (lambda: (bf16(4, 64), bf16(32, 64), fake(32)), "bias must be bfloat16, got torch.float32"),
+    (lambda: (bf16(64, 4).T, bf16(32, 64), None), "x must be contiguous"),
+    (lambda: (bf16(4, 64), bf16(0, 64), None), r"weight \(0, 64\) is empty"),
+    (lambda: (bf16(1 << 21, 8), bf16(32, 8), None), "m-range: m must be a whole number in 1..1048576"),
+]
+
+
+@pytest.mark.parametrize("make, message", BAD_LINEAR)
+def test_linear_refuses_what_the_kernel_cannot_take_in_one_line(make, message):
+    with FakeTensorMode():
+        x, weight, bias = make()
+        for call in (lambda: mt.linear(x, weight, bias), lambda: torch.ops.mage_gen.linear(x, weight, bias)):
+            with pytest.raises((LaunchError, TypeError), match="^mage_gen.torch.linear: " + message) as info:
+                call()
+            assert "\n" not in str(info.value)
+
+
+def test_linear_under_fake_tensors_keeps_the_leading_dims_and_takes_no_rows():
+    with FakeTensorMode():
+        y = torch.ops.mage_gen.linear(bf16(2, 3, 4096), bf16(6144, 4096), None)
+        assert y.shape == (2, 3, 6144) and y.dtype == BF16
+        assert torch.ops.mage_gen.linear(bf16(0, 4096), bf16(32, 4096), bf16(32)).shape == (0, 32)
+
+
+def test_a_bf16_matmul_needs_n_and_k_in_whole_16_bytes():
+    with FakeTensorMode():
+        assert mt.matmul(bf16(16, 64), bf16(64, 32)).shape == (16, 32)
+        with pytest.raises(LaunchError, match="^mage_gen.torch.matmul: N = 36 is not a multiple of 8"):
+            mt.matmul(bf16(16, 64), bf16(64, 36))
+        with pytest.raises(TypeError, match="b must be bfloat16, got torch.float32"):
+            mt.matmul(bf16(16, 64), fake(64, 32))
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self, d: int, hidden: int):
+        super().__init__()
+        self.register_buffer("up", bf16(hidden, d))  # nn.Linear's layout: (out features, in features)
+        self.register_buffer("down", bf16(d, hidden))
+        self.register_buffer("bias", bf16(d))
+
+    def forward(self, x):
+        return mt.linear(torch.relu(mt.linear(x, self.up)), self.down, self.bias)
+
+
+def test_torch_compile_fullgraph_keeps_linear_in_one_graph():
+    y, targets = compile_in_one_graph(lambda: Mlp(256, 512), 2, 7, 256, dtype=BF16)
+    assert y.shape == (2, 7, 256) and y.dtype == BF16
+    assert targets.count(torch.ops.mage_gen.linear.default) == 2
+
+
 class Block(torch.nn.Module):
     def __init__(self, d: int):
         super().__init__()
@@ -145,7 +212,7 @@ class Block(torch.nn.Module):
         return mt.layer_norm(x * 2, self.w, self.b) + 1
 
 
-def compile_in_one_graph(make_module, *shape: int) -> tuple[torch.Tensor, list]:
+def compile_in_one_graph(make_module, *shape: int, dtype=torch.float32) -> tuple[torch.Tensor, list]:
     """make_module() compiled with fullgraph=True and run on a fake CUDA tensor of `shape`: (its output, the
     functions its one graph calls)."""
     graphs = []
@@ -156,7 +223,7 @@ def compile_in_one_graph(make_module, *shape: int) -> tuple[torch.Tensor, list]:
 
     torch._dynamo.reset()
     with FakeTensorMode():
-        y = torch.compile(make_module(), fullgraph=True, backend=backend)(fake(*shape))
+        y = torch.compile(make_module(), fullgraph=True, backend=backend)(fake(*shape, dtype=dtype))
     (graph,) = graphs
     return y, [node.target for node in graph.graph.nodes if node.op == "call_function"]
 
@@ -460,14 +527,75 @@ def test_gemm_refuses_what_the_kernel_cannot_take_before_the_driver(no_driver_ca
         runtime.gemm(**call)
 
 
-def test_a_split_k_winner_is_refused_for_want_of_a_workspace(monkeypatch):
+def test_a_split_k_launch_gets_working_buffers_of_its_own_stream_and_a_graph_its_own(stub_driver, monkeypatch):
+    import contextlib
+    import ctypes
+
     from mage_gen import gpu
+    from mage_gen.ops.gemm_sm90 import counters, workspace_floats
+    from mage_gen.variants import build
+
+    op = get_op("gemm_sm90")
+    shape = op.shape(m=16, n=4096, k=4096)
+    params = op.params_from_dict({"split_k": 2, "bm": 64, "consumers": 1})
+    made, capturing = [], set()
+
+    class Buffer:  # cuMemAlloc and cuMemsetD32Async, recorded
+        def __init__(self, nbytes):
+            self.nbytes, self.ptr, self.fills = nbytes, 0x100000 * (len(made) + 1), []
+            made.append(self)
+
+        def fill32(self, bits, stream=0):
+            self.fills.append((bits, stream))
+
+    monkeypatch.setattr(gpu, "Buffer", Buffer)
+    monkeypatch.setattr(gpu, "capturing", lambda stream: stream in capturing)
+    monkeypatch.setattr(gpu, "relaxed_capture", contextlib.nullcontext)
+    monkeypatch.setattr(gpu, "tensor_map", lambda address, spec: bytes(gpu.TENSOR_MAP_BYTES))
+    prepared = runtime.Prepared(op, shape, params, {}, _Loaded(), build(op, shape, params, "sm_90").census)
+
+    def launch(stream):  # -> the workspace and counters addresses the kernel was given (its 4th and 5th parameters)
+        prepared.launch((0x1000, 0x2000, 0x3000), stream)
+        return [ctypes.cast(stub_driver.param(i), ctypes.POINTER(ctypes.c_uint64)).contents.value for i in (3, 4)]
+
+    assert launch(7) == [made[0].ptr, made[1].ptr] == launch(7)  # made once for the stream, then reused
+    assert [b.nbytes for b in made] == [4 * workspace_floats(shape, params), 4 * counters(shape, params)]
+    assert made[0].fills == [] and made[1].fills == [(0, 7)]  # the counters cleared on the stream, before the launch
+    assert launch(8) == [made[2].ptr, made[3].ptr] and made[3].fills == [(0, 8)]  # another stream, its own
+    capturing.add(9)
+    assert launch(9) == [made[4].ptr, made[5].ptr] and launch(9) == [made[6].ptr, made[7].ptr]  # each graph its own
+    assert made[5].fills == made[7].fills == [(0, 9)]  # recorded into the graph: cleared before every replay
+    assert launch(7) == [made[0].ptr, made[1].ptr] and len(made) == 8
+
+
+def test_the_runtime_builds_a_hopper_kernel_for_sm_90a_on_an_sm_90_gpu(monkeypatch):
+    """wgmma exists on sm_90a alone: a kernel NVRTC built for plain sm_90 would not assemble."""
+    from mage_gen import gpu, variants
 
     op = get_op("gemm_sm90")
     device = gpu.DeviceInfo("NVIDIA H200", (9, 0), 132, 60 << 20, 232448, "13.0")
+    built, loaded = [], []
     monkeypatch.setattr(gpu, "current_device", lambda: 0)
     monkeypatch.setattr(gpu, "device_info", lambda ordinal=0: device)
-    monkeypatch.setattr(runtime, "choose", lambda *args: op.params_from_dict({"split_k": 4}))
-    monkeypatch.setattr(runtime, "compile_source", lambda *args: pytest.fail("compiled a refused kernel"))
-    with pytest.raises(LaunchError, match=r"^gemm_sm90: .*cannot yet hand this kernel the workspace \(scratch"):
-        runtime._prepare(op, {"m": 16, "n": 4096, "k": 4096}, {}, 1, True)
+    monkeypatch.setattr(runtime, "choose", lambda *args: op.params_from_dict({"bm": 64, "consumers": 1}))
+    monkeypatch.setattr(runtime, "build", lambda *args: built.append(variants.build(*args)) or built[-1])
+    monkeypatch.setattr(gpu, "Kernel", lambda cubin, name, shared: loaded.append(name) or name)
+    monkeypatch.setattr(runtime, "Prepared", lambda *args: args)
+    runtime._prepare(op, {"m": 16, "n": 4096, "k": 4096}, {}, 7, True)
+    (variant,) = built
+    assert variant.compiled.arch == "sm_90a" and loaded == [variant.source.kernel_name]
+
+
+def test_a_gemm_at_an_untuned_m_runs_the_nearest_class_and_an_untuned_n_k_says_how_to_tune_it():
+    from mage_gen import gpu
+    from mage_gen.store import load_winner
+
+    op = get_op("gemm_sm90")
+    h200 = gpu.DeviceInfo("NVIDIA H200", (9, 0), 132, 60 << 20, 232448, "13.0")
+    for m, tuned_at in ((1, 16), (40, 32), (300, 256), (400, 512), (2048, 4096), (100000, 4096)):
+        served = load_winner(op, op.shape(m=tuned_at, n=4096, k=4096), h200.name).params
+        assert runtime.choose(op, op.shape(m=m, n=4096, k=4096), {}, h200, True) == served
+    with pytest.raises(LaunchError, match=r"^gemm_sm90: nothing is tuned for n=4096, k=4096, b_layout=kn at any M on "
+                                          r"NVIDIA H200; tune it, e\.g\. `mage-gen tune gemm_sm90 --m 8 --n 4096 "
+                                          r"--k 4096 --config b_layout=kn`"):
+        runtime.choose(op, op.shape(m=8, n=4096, k=4096, b_layout="kn"), {}, h200, True)

@@ -105,6 +105,11 @@ class LazyFunction:
         return functools.partial(function, **dict(self.bound)) if self.bound else function
 
 
+# A search-space value the op works out from the shape and the GPU's SM count (OpFamily.fit_device): gemm_sm90's bn
+# "waves", the N tiles that spread the tiles over the SMs in the fewest, fullest waves
+WAVES = "waves"
+
+
 class OpFamily:
     """What an op declares beyond its kernels, for the code that serves every op (the peers, the runtime, the torch
     ops, the store), at the values most ops take: that code asks the op, never a table of op names."""
@@ -125,9 +130,17 @@ class OpFamily:
     field_help: Mapping[str, str] = {}
     # the rules a (shape, params) must keep, in the order they are checked: validate reports the first one broken
     rules: tuple[Rule, ...] = ()
+    # sizes fixed at generation over which stored entries are size classes: a shape with no entry of its own runs
+    # the params of the entry dispatch.CLASS_RULE picks, compiled for its own sizes; (): every shape is its own
+    class_dims: tuple[str, ...] = ()
 
     def validate(self, shape: Any, params: Any) -> None:
         check_rules(self.rules, shape, params)
+
+    def fit_device(self, shape: Any, axes: dict[str, tuple], sms: int) -> dict[str, tuple]:
+        """A preset's axes with the values that depend on the GPU's SM count worked out for this shape (WAVES, where
+        the op knows it); the space leaves out any it does not resolve."""
+        return axes
 
     def peers(self, shape: Any, inputs: dict[str, np.ndarray], eps: float, inductor: bool,
               tensor_of: Callable[[str, DType], Any], output_of: Callable[..., Any]) -> dict[str, Any]:
@@ -230,15 +243,6 @@ class Arg:
 
 
 WORKING_KINDS = ("scratch", "zeroed")  # buffers an op's launch needs beside its tensors
-
-
-def refuse_working_args(op: Any, shape: Any, params: Any, where: str) -> None:
-    """A ConfigError where these params need working buffers (launch_args) that `where` does not provide yet."""
-    working = [arg for arg in launch_args(op, shape, params) if arg.kind in WORKING_KINDS]
-    if working:
-        names = " and ".join(f"{arg.name} ({arg.kind}, {arg.elements} words)" for arg in working)
-        raise ConfigError(f"working-buffers: {where} cannot yet hand this kernel the {names} its params need; use "
-                          "params that need none (split_k=1)")
 
 
 def launch_args(op: Any, shape: Any, params: Any) -> tuple[Arg, ...]:

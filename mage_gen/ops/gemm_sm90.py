@@ -36,7 +36,7 @@ import numpy as np
 
 from mage_gen.dtypes import BFLOAT16, FLOAT32, DType
 from mage_gen.errors import ConfigError
-from mage_gen.ops.base import (Arg, LazyFunction, Launch, OpFamily, Rule, TensorMapSpec, check_rules, params_dict,
+from mage_gen.ops.base import (WAVES, Arg, LazyFunction, Launch, OpFamily, Rule, TensorMapSpec, check_rules, params_dict,
                                params_from, public_params_from)
 from mage_gen.render import Source, render
 
@@ -148,6 +148,20 @@ def _units(shape: Shape, p: Params) -> tuple[int, int]:
     return -(-tiles_m // share_b), -(-tiles_n // share_a)
 
 
+def wave_tile(shape: Shape, bm: int, sms: int) -> int:
+    """The N tile (a multiple of 16, of 64 for a K×N B, up to 256) whose tiles fill `sms` SMs best: the most tiles
+    per CTA slot over the waves they take, ceil(tiles / sms) (the larger tile on a tie: fewer, longer tiles). At
+    M = 16, N = 4096 on 132 SMs: 32 (128 tiles in one wave of 132, against 64 tiles with 64)."""
+    step = 16 if shape.b_layout == "nk" else 64
+    tiles_m = -(-shape.m // bm)
+
+    def filled(bn: int) -> float:
+        tiles = tiles_m * -(-shape.n // bn)
+        return tiles / (-(-tiles // sms) * sms)
+
+    return max(range(step, 257, step), key=lambda bn: (round(filled(bn), 9), bn))
+
+
 def _kblocks(shape: Shape) -> int:
     return -(-shape.k // BK)
 
@@ -252,7 +266,7 @@ _RULES: tuple[Rule, ...] = (
                       f"{64 * p.consumers}"),
     Rule("consumers", lambda s, p: p.schedule == "cooperative" or p.consumers == 2,
          lambda s, p: f"pingpong takes tiles by turns of two consumers, got {p.consumers}"),
-    Rule("stages", lambda s, p: 2 <= p.stages <= 8, lambda s, p: f"stages is 2..8, got {p.stages}"),
+    Rule("stages", lambda s, p: 2 <= p.stages <= 16, lambda s, p: f"stages is 2..16, got {p.stages}"),
     Rule("order", lambda s, p: p.order in ORDERS, lambda s, p: f"order is one of {ORDERS}, got {p.order!r}"),
     Rule("order", lambda s, p: p.group >= 1, lambda s, p: f"group is a positive number of tile rows, got {p.group}"),
     # a group other than the default changes nothing but the grouped order: two names for one kernel otherwise
@@ -318,6 +332,8 @@ class GemmSm90(OpFamily):
     min_arch = 90
     peer_builder = LazyFunction("mage_gen.peers", "strided_bf16_gemm_peers")
     runtime_name = "mage_gen.runtime.gemm"
+    torch_name = "mage_gen.torch.linear"
+    class_dims = ("m",)  # a model calls a layer's (N, K) at every token count: its entries are classes over M
     field_help = {"m": "rows of A and C", "n": "columns of C", "k": "columns of A",
                   "precision": "bf16 (what A and B are; c_dtype is C's)",
                   "c_dtype": "C's element type: bf16 or fp32",
@@ -356,6 +372,13 @@ class GemmSm90(OpFamily):
 
     def fit_space(self, shape: Shape, axes: dict[str, tuple]) -> dict[str, tuple]:
         return axes
+
+    def fit_device(self, shape: Shape, axes: dict[str, tuple], sms: int) -> dict[str, tuple]:
+        """bn "waves": for each bm of the space, the N tile that fills the SMs best (wave_tile)."""
+        if WAVES not in axes.get("bn", ()):
+            return axes
+        filled = [wave_tile(shape, bm, sms) for bm in axes.get("bm", (Params.bm,))]
+        return {**axes, "bn": tuple(dict.fromkeys([*(v for v in axes["bn"] if v != WAVES), *filled]))}
 
     def watchdog_s(self, p: Params) -> float:
         """Seconds a wait on an mbarrier may last before the kernel traps (measure reports such a failure as a hang)."""
