@@ -6,6 +6,7 @@
     y, h = rms_norm(x, weight, residual=r)      # h = x + r (rounded as torch rounds it), y = rms_norm(h)
     y = linear(x, weight, bias=None)            # x: (..., K), weight: (N, K) bf16 CUDA, an (N, K) tuned at some M
     c = matmul(a, b)                            # a: (M, K), b: (K, N): float32 at a tuned (M, N, K); bf16 as linear
+    routes = patch(model)                       # a model's linear layers and norms, where tuned, in place
 
 x (and residual) are float32, bfloat16 or float16; weight and bias x's dtype or float32; the statistics are
 fp32 whatever the dtype. They are torch.library custom ops (mage_gen::layer_norm, mage_gen::rms_norm, their
@@ -383,3 +384,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if is_eager(x, weight) and (bias is None or type(bias) is _Tensor):
         return _linear_impl(x, weight, bias)
     return _linear_op(x, weight, bias)
+
+
+def patch(model: torch.nn.Module, gpu_name: str | None = None) -> Any:
+    """Route `model`'s layers to mage-gen's kernels in place, where this GPU (gpu_name: another's tuned/ entries) has
+    a tuned entry for them: bf16 nn.Linear to linear, RMSNorm and LayerNorm modules to rms_norm and layer_norm, each
+    keeping its parameters and falling back to torch where the kernel cannot take an input; under torch.compile an add
+    feeding such a norm becomes the fused residual form (an Inductor post-grad pass, installed here). Returns what was
+    routed and what was left, with why (mage_gen.patch.Routes)."""
+    from mage_gen.patch import patch_model
+
+    return patch_model(model, gpu_name)

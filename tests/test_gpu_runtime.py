@@ -418,3 +418,30 @@ def test_a_split_k_kernel_from_the_runtime_computes_on_two_streams_and_in_a_grap
         graph.replay()
         torch.cuda.synchronize()
         assert relative_error(y, torch.nn.functional.linear(x.double(), weight.double())) <= tolerance
+
+
+def test_a_patched_layer_compiled_by_inductor_matches_float32_and_fuses_its_add_into_the_norm(monkeypatch):
+    import copy
+
+    import torch._inductor.config as inductor
+
+    from bench.decoder_layer import TOLERANCE, LlamaLayer, inputs
+    from mage_gen.patch import FuseResidualNorms
+
+    on_h200()
+    torch.manual_seed(0)
+    reference = LlamaLayer(hidden=1024).cuda().eval()  # o (4096×4096) and the norms (d = 4096) are tuned
+    layer = copy.deepcopy(reference).to(torch.bfloat16)
+    routes = mt.patch(layer)
+    assert routes.linear == ["o"] and routes.norm == ["input_norm", "post_norm"] and set(routes.left) == {
+        "qkv", "gate_up", "down"}
+    seen = []
+    monkeypatch.setattr(inductor, "post_grad_custom_pre_pass",
+                        FuseResidualNorms(then=lambda graph: seen.extend(n.target for n in graph.nodes)))
+    args = inputs(4096, 128, 256, torch.bfloat16)
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        y = torch.compile(layer)(*args)
+        ref = reference(*(a.float() for a in args))
+    assert torch.ops.mage_gen.rms_norm_residual.default in seen and torch.ops.mage_gen.linear.default in seen
+    assert relative_error(y, ref) <= TOLERANCE

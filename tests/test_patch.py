@@ -1,0 +1,108 @@
+"""mage_gen.torch.patch on the CPU: which layers it routes (only those tuned on the GPU named), that a model keeps its
+parameters, that torch runs what the kernels cannot take, and the Inductor pass that fuses an add into the norm after
+it."""
+
+import operator
+
+import pytest
+
+torch = pytest.importorskip("torch")
+FakeTensorMode = pytest.importorskip("torch._subclasses.fake_tensor").FakeTensorMode
+make_fx = pytest.importorskip("torch.fx.experimental.proxy_tensor").make_fx
+
+import mage_gen.torch as mt  # noqa: E402
+from mage_gen import patch as routing  # noqa: E402
+
+H200 = "NVIDIA H200"
+BF16 = torch.bfloat16
+
+
+class HFRMSNorm(torch.nn.Module):  # the Hugging Face kind: a class named *RMSNorm with variance_epsilon
+    def __init__(self, d):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(d, dtype=BF16))
+        self.variance_epsilon = 1e-5
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = HFRMSNorm(4096)
+        self.o = torch.nn.Linear(4096, 4096, bias=False, dtype=BF16)  # tuned at several M on the H200
+        self.head = torch.nn.Linear(4096, 1000, bias=False, dtype=BF16)  # (1000, 4096) tuned at no M
+        self.fp32 = torch.nn.Linear(4096, 4096)
+        self.ln = torch.nn.LayerNorm(768, dtype=BF16)
+        self.odd = torch.nn.LayerNorm(1000)
+
+
+def test_patch_routes_only_what_is_tuned_and_says_why_it_left_the_rest():
+    model = Block()
+    keys = set(model.state_dict())
+    routes = mt.patch(model, gpu_name=H200)
+    assert routes.linear == ["o"] and sorted(routes.norm) == ["ln", "norm"]
+    assert routes.left["head"].startswith("nothing tuned for N=1000, K=4096 on this GPU: mage-gen tune gemm_sm90")
+    assert routes.left["fp32"] == "weight is torch.float32; the Hopper kernel takes bf16"
+    assert routes.left["odd"].startswith("no layernorm tuned for d=1000")
+    assert isinstance(model.o, routing.Linear) and isinstance(model.norm, routing.RMSNorm)
+    assert model.norm.eps == 1e-5 and set(model.state_dict()) == keys  # the same parameters under the same names
+    assert str(routes) == "mage-gen routes 1 linear layers and 2 norms; left 3 to torch"
+
+
+def test_a_routed_layer_runs_torch_where_the_kernel_cannot_take_the_input():
+    model = Block()
+    mt.patch(model, gpu_name=H200)
+    x = torch.randn(3, 4096, dtype=BF16)  # on the CPU
+    assert torch.equal(model.o(x), torch.nn.functional.linear(x, model.o.weight))
+    assert torch.equal(model.norm(x), torch.nn.functional.rms_norm(x, (4096,), model.norm.weight, 1e-5))
+    y = torch.randn(3, 768, dtype=BF16)
+    assert torch.equal(model.ln(y), torch.nn.functional.layer_norm(y, (768,), model.ln.weight, model.ln.bias, 1e-5))
+
+
+def traced(fn, *shapes):
+    with FakeTensorMode():
+        args = [torch.empty(*s, dtype=BF16, device="cuda") for s in shapes]
+        return make_fx(fn, tracing_mode="fake")(*args)
+
+
+def targets(gm):
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_an_add_feeding_a_norm_becomes_its_residual_form_and_its_other_uses_take_the_sum():
+    def block(x, r, w):
+        h = x + r
+        return torch.ops.mage_gen.rms_norm(h, w, 1e-6), h * 2
+
+    gm = traced(block, (8, 4096), (8, 4096), (4096,))
+    assert torch.ops.aten.add.Tensor in targets(gm)
+    routing.FuseResidualNorms()(gm.graph)
+    gm.graph.lint()
+    assert torch.ops.aten.add.Tensor not in targets(gm) and torch.ops.mage_gen.rms_norm.default not in targets(gm)
+    (fused,) = [n for n in gm.graph.nodes if n.target is torch.ops.mage_gen.rms_norm_residual.default]
+    y, h = sorted(fused.users, key=lambda n: n.args[1])
+    assert y.args[1] == 0 and h.args[1] == 1 and y.target is h.target is operator.getitem
+    (doubled,) = h.users
+    assert doubled.target is torch.ops.aten.mul.Tensor
+
+
+def test_a_broadcast_add_or_a_norm_of_no_sum_is_left_alone():
+    def block(x, r, w):
+        return torch.ops.mage_gen.layer_norm(x + r, w, w, 1e-5), torch.ops.mage_gen.rms_norm(x, w, 1e-6)
+
+    gm = traced(block, (8, 768), (768,), (768,))
+    before = targets(gm)
+    routing.FuseResidualNorms()(gm.graph)
+    assert targets(gm) == before
+
+
+def test_the_pass_is_installed_once_before_any_pass_already_there(monkeypatch):
+    import torch._inductor.config as inductor
+
+    seen = []
+    monkeypatch.setattr(inductor, "post_grad_custom_pre_pass", seen.append)
+    routing.install_fusion()
+    routing.install_fusion()
+    installed = inductor.post_grad_custom_pre_pass
+    assert isinstance(installed, routing.FuseResidualNorms) and installed.then == seen.append
+    installed(torch.fx.Graph())
+    assert len(seen) == 1
