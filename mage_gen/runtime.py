@@ -178,7 +178,22 @@ def gemm(c: int, a: int, b: int, m: int, n: int, k: int, stream: int = 0, *, dev
     _gemm_shape(m, n, k, c_dtype, b_layout)  # before any call to the driver
     if not (a and b and c) or (a | b) % TMA_ALIGNMENT:
         check_alignment("gemm_sm90", {"C": 1, "A": TMA_ALIGNMENT, "B": TMA_ALIGNMENT}, {"C": c, "A": a, "B": b})
+    b_rows, b_cols = (n, k) if b_layout == "nk" else (k, n)
+    _check_disjoint(c, m * n * (4 if c_dtype == "fp32" else 2), a, _extent(m, k), b, _extent(b_rows, b_cols))
     launch("gemm_sm90", dims, {}, {"C": c, "A": a, "B": b}, {}, stream, device=device, tuned_only=True)
+
+
+def _extent(rows: int, cols: int) -> int:
+    """Bytes a bf16 matrix spans from its first element to past its last, rows padded to 16 bytes apart (TMA)."""
+    return (rows - 1) * (-(-cols * 2 // 16) * 16) + cols * 2
+
+
+def _check_disjoint(c: int, c_bytes: int, a: int, a_bytes: int, b: int, b_bytes: int) -> None:
+    """C may not overlap A or B: the kernel reads them while it writes C, and a tile would read what another wrote."""
+    for name, start, size in (("A", a, a_bytes), ("B", b, b_bytes)):
+        if c < start + size and start < c + c_bytes:
+            raise LaunchError(f"gemm_sm90: C [{c:#x}, {c + c_bytes:#x}) overlaps {name} [{start:#x}, "
+                              f"{start + size:#x}); give C memory of its own")
 
 
 @lru_cache(maxsize=256)

@@ -368,6 +368,11 @@ def _linear_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def _gemm(index: int, c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, m: int, n: int, k: int,
           b_layout: str) -> None:
+    fn = (_GEMM if b_layout == "nk" else _MATMUL).torch_name
+    for name, t in ((("x", a), ("weight", b)) if b_layout == "nk" else (("a", a), ("b", b))):
+        if t.data_ptr() % 16:  # named here as the caller knows it, before the runtime's check names the kernel's
+            raise LaunchError(f"{fn}: {name} starts at {t.data_ptr():#x}, not on 16 bytes, where TMA reads rows "
+                              f"from; pass {name}.clone() (a view into the middle of a tensor can start anywhere)")
     key = (index, _GEMM.name, m, n, k, b_layout)
     prepared = launches.get(key)
     if prepared is None:

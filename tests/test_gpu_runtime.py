@@ -377,7 +377,7 @@ def test_an_untuned_n_k_and_a_misaligned_x_are_refused_in_one_line():
     assert "\n" not in str(info.value)
     x, weight, _ = bf16_inputs((16 * 4096 + 8,), 4096, 1, 42)
     shifted = x.view(-1)[4:4 + 16 * 4096].view(16, 4096)  # contiguous, 8 bytes past a 16-byte boundary
-    with pytest.raises(LaunchError, match="A at 0x[0-9a-f]+ is not a device address aligned to 16 bytes"):
+    with pytest.raises(LaunchError, match="^mage_gen.torch.linear: x starts at 0x[0-9a-f]+, not on 16 bytes"):
         mt.linear(shifted, bf16_inputs((1,), 4096, 4096, 43)[1])
 
 

@@ -38,6 +38,19 @@ def test_misaligned_or_null_addresses_are_refused_before_a_launch():
         runtime.check_alignment("layernorm", alignments, {**good, "y": 0})
 
 
+def test_a_gemm_whose_c_overlaps_a_or_b_is_refused_before_a_launch():
+    a, b = 0x100000, 0x900000  # A: 16 rows of 4096 bf16 (128 KiB); B: 4096×4096 (32 MiB)
+    with pytest.raises(LaunchError, match=r"^gemm_sm90: C \[0x110000, 0x130000\) overlaps A \[0x100000, 0x120000\)"):
+        runtime.gemm(a + 0x10000, a, b, 16, 4096, 4096)
+    with pytest.raises(LaunchError, match=r"overlaps B"):
+        runtime.gemm(b + (1 << 20), a, b, 16, 4096, 4096)
+    with pytest.raises(LaunchError, match=r"overlaps A"):  # K = 12: rows 32 bytes apart, the last one 24 bytes long
+        runtime.gemm(a + 15 * 32 + 22, a, b, 16, 4096, 12)
+    with pytest.raises(Exception) as info:  # right after A's last element: no overlap, so the launch is tried
+        runtime.gemm(a + 15 * 32 + 24, a, b, 16, 4096, 12)
+    assert "overlaps" not in str(info.value)
+
+
 def test_without_a_driver_the_raw_runtime_says_a_gpu_is_needed():
     try:
         from mage_gen import gpu
