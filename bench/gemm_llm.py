@@ -7,7 +7,7 @@ runtime and mage_gen.torch.linear do; --untuned takes the op's default config). 
 is rewritten after every shape, so a run cut short keeps what it measured. Writes
 bench/results/<gpu>/gemm_llm.json.
 
-    python -m bench.gemm_llm --model 8b --m 16 --m 128 --tune-missing --preset skinny
+    python -m bench.gemm_llm --model 8b --m 16 --m 128 --tune-missing
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ LAYERS = {
     "8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
     "70b": {"qkv": (10240, 8192), "o": (8192, 8192), "gate_up": (57344, 8192), "down": (8192, 28672)},
 }
+# --tune-missing searches the skinny preset (64-row tiles, split K) up to this M (bench/NOTES.md, Hopper GEMM §7)
+SKINNY_UP_TO = 512
 # The figures a bf16 sweep must reach, as shares of cuBLAS's hot throughput (1 / the paired rounds' median time)
 GEOMEAN_TARGET, FLOOR_TARGET = 1.05, 0.95
 
@@ -63,7 +65,9 @@ def main() -> None:
     parser.add_argument("--model", choices=[*LAYERS, "all"], default="all")
     parser.add_argument("--m", type=int, action="append", help=f"tokens (default: {', '.join(map(str, TOKENS))})")
     parser.add_argument("--tune-missing", action="store_true", help="tune a shape that has no winner in tuned/")
-    parser.add_argument("--preset", help="the search preset --tune-missing tunes over (default: the op's)")
+    parser.add_argument("--preset", help="the search preset --tune-missing tunes over (default: skinny up to "
+                                         f"M = {SKINNY_UP_TO}, the op's default above)")
+    parser.add_argument("--trials", type=int, default=64, help="configs each --tune-missing study measures")
     parser.add_argument("--classes", action="store_true",
                         help="where M is not tuned, bench the params tuned at the nearest M of the same N, K")
     parser.add_argument("--untuned", action="store_true", help="bench the default config where nothing is tuned")
@@ -76,10 +80,12 @@ def main() -> None:
     models = list(LAYERS) if args.model == "all" else [args.model]
     cases = [(model, layer, m, n, k) for model in models for m in args.m or TOKENS
              for layer, (n, k) in LAYERS[model].items()]
-    tune_flags = ["--precision", "bf16", *(["--preset", args.preset] if args.preset else [])]
     rows: list[dict] = []
     for done, (model, layer, m, n, k) in enumerate(cases, 1):
         shape = op.shape(m=m, n=n, k=k)
+        preset = args.preset or ("skinny" if m <= SKINNY_UP_TO else None)
+        tune_flags = ["--precision", "bf16", "--objective", "both", "--trials", str(args.trials),
+                      *(["--preset", preset] if preset else [])]
         params, chosen = product_params(op, shape, device, args.tune_missing, args.untuned, tune_flags, args.classes)
         row = {"model": model, "layer": layer, **bench_one(op, shape, params, chosen, device)}
         rows.append(row)
