@@ -84,10 +84,17 @@ def test_the_kernel_is_built_for_sm_90a_only():
     ((256, 256, 256), {"cluster": 4}, "cluster: cluster is one of"),
     ((256, 256, 256), {"order": "zorder"}, "order: order is one of"),
     ((256, 256, 256), {"plant": "proxy_fence"}, "plant: the proxy fence belongs to the TMA store"),
+    ((256, 256, 256), {"swap": True, "epilogue": "tma"}, r"swap: swap \(Cᵀ = B·Aᵀ\) takes B N×K \(nk\), epilogue direct"),
+    ((256, 256, 256), {"swap": True, "cluster": 2}, "swap: .* got b_layout nk, epilogue direct, cluster 2"),
 ])
 def test_rules_refuse_with_a_line_naming_the_rule(shape, values, rule):
     with pytest.raises(ConfigError, match="^" + rule):
         OP.validate(OP.shape(*shape), OP.params_from_dict(values))
+
+
+def test_a_swapped_product_takes_b_n_by_k_only():
+    with pytest.raises(ConfigError, match="^swap: .* got b_layout kn"):
+        OP.validate(OP.shape(m=256, n=256, k=256, b_layout="kn"), OP.params_from_dict({"swap": True}))
 
 
 def test_shapes_refuse_what_the_op_cannot_take():
@@ -307,10 +314,11 @@ def test_the_waves_n_tile_is_worked_out_from_the_sm_count_and_the_shape():
     assert wave_tile(decode, 64, 132) == 32  # 128 tiles on 132 SMs, where 64 leaves half of them idle
     assert wave_tile(decode, 64, 66) == 64  # half the SMs: 64 tiles fill them as well as 128 in two waves
     assert wave_tile(OP.shape(m=16, n=4096, k=4096, b_layout="kn"), 64, 132) == 64  # a K×N B takes 64-column boxes
-    assert dict(load_space(OP, "skinny", decode, sms=132).axes)["bn"] == (64, 96, 128, 192, 256, 32)
-    assert dict(load_space(OP, "skinny", OP.shape(m=256, n=4096, k=4096), sms=132).axes)["bn"] == (64, 96, 128, 192, 256)
+    listed = (16, 32, 64, 96, 128, 192, 256)
+    assert dict(load_space(OP, "skinny", decode, sms=132).axes)["bn"] == listed  # 32 is listed already
+    assert dict(load_space(OP, "skinny", OP.shape(m=16, n=6144, k=4096), sms=132).axes)["bn"] == (*listed, 48)
     unsized = load_space(OP, "skinny", decode)  # no GPU named: nothing to fill, so no such value
-    assert dict(unsized.axes)["bn"] == (64, 96, 128, 192, 256) and unsized.needs_sms
+    assert dict(unsized.axes)["bn"] == listed and unsized.needs_sms
 
 
 @pytest.mark.parametrize("bn", [32, 48, 112])
@@ -320,3 +328,22 @@ def test_narrow_n_tiles_a_wave_picks_match_numpy_bit_for_bit_on_the_interpreter(
     inputs = _whole_numbers(shape, np.random.default_rng(bn))
     out = interp.launch_with(OP, shape, variant, {}, inputs)["C"]
     assert np.array_equal(out.view(np.uint8), BFLOAT16.round(OP.reference(shape, inputs, {})["C"]).view(np.uint8))
+
+
+@pytest.mark.parametrize("c_dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("values", [{"bn": 16}, {"bn": 32, "split_k": 2},
+                                    {"bn": 16, "schedule": "pingpong", "consumers": 2}])
+def test_a_swapped_product_stores_c_transposed_bit_for_bit_at_tails_on_the_interpreter(c_dtype, values):
+    """Cᵀ = B·Aᵀ: the kernel's 64-row slabs over N (129, a tail), its bn over M (17 tokens, a tail)."""
+    shape = OP.shape(m=17, n=129, k=137, c_dtype=c_dtype)
+    params = OP.params_from_dict({**SMALL, **values, "swap": True})
+    variant = build(OP, shape, params, "sm_90")
+    maps = OP.tensor_maps(shape, params)
+    assert (maps["tma_a"].tensor, maps["tma_a"].box, maps["tma_b"].tensor, maps["tma_b"].box) == ("B", (64, 64), "A",
+                                                                                                   (64, params.bn))
+    assert variant.source.kernel_name.endswith("_sw") and params.label().endswith(" swap")
+    inputs = _whole_numbers(shape, np.random.default_rng(5))
+    out = interp.launch_with(OP, shape, variant, {}, inputs)["C"]
+    exact = OP.reference(shape, inputs, {})["C"]
+    expected = BFLOAT16.round(exact) if c_dtype == "bf16" else exact.astype(np.float32)
+    assert np.array_equal(out.view(np.uint8), expected.view(np.uint8))

@@ -22,6 +22,10 @@ counts itself in on the tile's counter (a release); the last to arrive sums the 
 the counter back to zero. The workspace (`workspace_floats`) and the counters (`counters`, zero on entry and left
 zero) are kernel arguments after B (launch_args); with split_k 1 the kernel is the one it was before.
 
+`swap` has the kernel compute Cᵀ = B·Aᵀ (`computed`): its tiles, units and guards are of that product, its first
+operand's map is B's and its second A's, and it stores Cᵀ's (row, col) at C's (col, row), so that a few tokens take
+wgmma's narrow N rather than a mostly empty 64-row slab.
+
 The gate's tolerance: products of bf16 are exact in fp32, so the error is the fp32 accumulation over K (at most
 about K·2⁻²⁴ relative, far less in norm) and, for a bf16 C, one rounding to bf16 (its unit roundoff 2⁻⁸ bounds
 the relative norm): 2⁻²⁴·K + 1e-6, plus 2⁻⁸ where C is bf16.
@@ -29,6 +33,7 @@ the relative norm): 2⁻²⁴·K + 1e-6, plus 2⁻⁸ where C is bf16.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,6 +121,8 @@ class Params:
     epilogue: str = "direct"
     grid: int = 0  # CTAs of the persistent grid, at most one per tile; 0: one per tile
     split_k: int = 1  # slices of K a tile is split into, each a unit of work; their partials summed in order
+    # the kernel computes Cᵀ = B·Aᵀ: its m64 slabs run over N and wgmma's N over M (a few tokens), C stored transposed
+    swap: bool = False
     plant: str = ""  # a deliberate bug, for the tests of the gate only
     watchdog_ms: int = WATCHDOG_MS
 
@@ -129,11 +136,19 @@ class Params:
                 + f" {self.order}"
                 + (f"{self.group}" if self.order == "grouped" else "") + f" r{self.producer_regs} f{self.inflight}"
                 f" {self.epilogue}" + (f" grid≤{self.grid}" if self.grid else "")
-                + (f" split{self.split_k}" if self.split_k > 1 else "") + (f" PLANTED {self.plant}" if self.plant else ""))
+                + (f" split{self.split_k}" if self.split_k > 1 else "") + (" swap" if self.swap else "")
+                + (f" PLANTED {self.plant}" if self.plant else ""))
+
+
+def computed(shape: Shape, p: Params) -> Shape:
+    """The product the kernel computes: the shape, or with swap Cᵀ = B·Aᵀ (M and N exchanged), which its tiles,
+    units and guards are of."""
+    return dataclasses.replace(shape, m=shape.n, n=shape.m) if p.swap else shape
 
 
 def _tiles(shape: Shape, p: Params) -> tuple[int, int]:
-    return -(-shape.m // p.bm), -(-shape.n // p.bn)
+    product = computed(shape, p)
+    return -(-product.m // p.bm), -(-product.n // p.bn)
 
 
 def _shares(p: Params) -> tuple[int, int]:
@@ -233,6 +248,11 @@ def epilogue(shape: Shape, p: Params) -> str:
     return "direct" if (shape.n * OUTPUTS[shape.c_dtype].itemsize) % 16 else p.epilogue
 
 
+def c_pairs(shape: Shape, p: Params) -> bool:
+    """Whether registers store C two elements at a time: rows of even N, not transposed (swap)."""
+    return shape.n % 2 == 0 and not p.swap
+
+
 def _shared_bytes(shape: Shape, p: Params) -> int:
     out = OUTPUTS[shape.c_dtype]
     staging = p.consumers * consumer_rows(p) * p.bn * out.itemsize if epilogue(shape, p) == "tma" else 0
@@ -300,6 +320,10 @@ _RULES: tuple[Rule, ...] = (
          lambda s, p: f"the TMA store writes C in boxes of 128 bytes of a row: bn={p.bn} {s.c_dtype} elements must be "
                       f"a multiple of {128 // OUTPUTS[s.c_dtype].itemsize}; use epilogue direct"),
     Rule("grid", lambda s, p: p.grid >= 0, lambda s, p: f"grid is a number of CTAs (0: one per tile), got {p.grid}"),
+    # swapped, C is stored transposed from registers, an element at a time (no TMA store), and no cluster shares a tile
+    Rule("swap", lambda s, p: not p.swap or (s.b_layout == "nk" and p.epilogue == "direct" and p.cluster == 1),
+         lambda s, p: "swap (Cᵀ = B·Aᵀ) takes B N×K (nk), epilogue direct and cluster 1, got "
+                      f"b_layout {s.b_layout}, epilogue {p.epilogue}, cluster {p.cluster}"),
     Rule("shared-memory", lambda s, p: _shared_bytes(s, p) <= MAX_SHARED_BYTES,
          lambda s, p: f"{p.stages} stages of {p.bm}×{BK} and {p.bn}×{BK}"
                       + (" and the C staging tile" if epilogue(s, p) == "tma" else "")
@@ -413,6 +437,9 @@ class GemmSm90(OpFamily):
         maps = {"tma_a": TensorMapSpec("A", "bfloat16", (shape.k, shape.m), (row,), (BK, p.bm // _shares(p)[0]),
                                        SWIZZLE, 256),
                 "tma_b": b}
+        if p.swap:  # the kernel's first operand (bm rows a tile) is B, its second (bn rows) A
+            maps = {"tma_a": TensorMapSpec("B", "bfloat16", (shape.k, shape.n), (row,), (BK, p.bm), SWIZZLE, 256),
+                    "tma_b": TensorMapSpec("A", "bfloat16", (shape.k, shape.m), (row,), (BK, p.bn), SWIZZLE, 256)}
         if epilogue(shape, p) == "tma":
             maps["tma_c"] = TensorMapSpec("C", out.name, (shape.n, shape.m), (shape.n * out.itemsize,),
                                           (128 // out.itemsize, consumer_rows(p)), SWIZZLE, 0)
@@ -430,17 +457,19 @@ class GemmSm90(OpFamily):
                 + (f"_x{p.cluster}" + ("a" if p.multicast == "a" else "") if p.cluster > 1 else "")
                 + f"_{order}_r{p.producer_regs}"
                 f"_f{p.inflight}_{epilogue(shape, p)}" + (f"_k{p.split_k}" if p.split_k > 1 else "")
+                + ("_sw" if p.swap else "")
                 + (f"_bug_{p.plant}" if p.plant else ""))
 
     def context(self, shape: Shape, p: Params) -> dict[str, Any]:
         out = OUTPUTS[shape.c_dtype]
         tiles_m, tiles_n = _tiles(shape, p)
+        product = computed(shape, p)
         units_m, units_n = _units(shape, p)
         stage_bytes = (p.bm + p.bn) * BK * 2
         c_stage = p.consumers * consumer_rows(p) * p.bn * out.itemsize if epilogue(shape, p) == "tma" else 0
         share_a = _shares(p)[0]
         return dict(
-            M=shape.m, N=shape.n, K=shape.k, BM=p.bm, BN=p.bn, BK=BK, STAGES=p.stages, CONSUMERS=p.consumers,
+            M=product.m, N=product.n, K=shape.k, BM=p.bm, BN=p.bn, BK=BK, STAGES=p.stages, CONSUMERS=p.consumers,
             THREADS=p.threads, TILES_M=tiles_m, TILES_N=tiles_n, CLUSTER=p.cluster, SHARE=self.b_sharers(p),
             SHARE_A=share_a, KSTEP=KSTEP, PINGPONG=p.schedule == "pingpong", CONSUMER_ROWS=consumer_rows(p),
             # each stage is freed by every consumer that reads it, in every CTA that copies into it
@@ -453,7 +482,7 @@ class GemmSm90(OpFamily):
             B_LBO=BK * 128,  # a K×N B tile: from one box of 64 columns to the next
             C_STAGE_AT=p.stages * stage_bytes, C_STAGE_BYTES=c_stage, BARRIERS_AT=p.stages * stage_bytes + c_stage,
             C_BOX_COLS=128 // out.itemsize, C_BOX_BYTES=consumer_rows(p) * 128, C_BOXES=p.bn * out.itemsize // 128,
-            C_TYPE=out.c_type, C_PTX=out.ptx, C_PAIRS=shape.n % 2 == 0,
+            C_TYPE=out.c_type, C_PTX=out.ptx, C_PAIRS=c_pairs(shape, p), SWAP=p.swap,
             ORDER=p.order, GROUP=p.group, PRODUCER_REGS=p.producer_regs, CONSUMER_REGS=consumer_regs(p),
             INFLIGHT=p.inflight, EPILOGUE=epilogue(shape, p), WATCHDOG_NS=p.watchdog_ms * 1_000_000, PLANT=p.plant,
             SWIZZLE=64 if p.plant == "swizzle" else SWIZZLE, SBO=SBO // 2 if p.plant == "sbo" else SBO,
@@ -526,7 +555,7 @@ class GemmSm90(OpFamily):
         out = OUTPUTS[shape.c_dtype]
         # C: 4-byte pairs (bf16) or 8-byte pairs (fp32) where N is even, single elements otherwise; a TMA store
         # wants 16 bytes
-        c_align = 16 if epilogue(shape, p) == "tma" else (2 * out.itemsize if shape.n % 2 == 0 else out.itemsize)
+        c_align = 16 if epilogue(shape, p) == "tma" else (2 * out.itemsize if c_pairs(shape, p) else out.itemsize)
 
         def operand(rows: int, cols: int, stride: int, what: str) -> dict[str, Any]:
             return {"dtype": "bfloat16", "shape": [rows, cols],
