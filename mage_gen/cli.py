@@ -500,11 +500,14 @@ def _emit_tuned(op: Op, shape: Any, gpu_name: str, arch: str, out_dir: Path, run
 
 
 def _emit_untuned(op: Op, shape: Any, gpu_name: str, arch: str, out_dir: Path, replace: bool) -> list[Path]:
-    nearest = dispatch.nearest_shape(op, shape, tuned_shapes(op, gpu_name))
+    tuned = tuned_shapes(op, gpu_name)
+    served = dispatch.choose_class(op, shape, tuned)  # what the runtime runs at this shape, where the op has classes
+    nearest = served or dispatch.nearest_shape(op, shape, tuned)
     if nearest is not None:
         other, params = nearest
+        whose = ("the size class the runtime runs here, tuned at" if served else "the nearest tuned shape")
         err.print(f"mage-gen: no tuned {op.name} entry for {shape_dict(shape)} on {gpu_name}; emitting the params of "
-                  f"the nearest tuned shape {shape_dict(other)} (untimed at this shape; tune it for a measured winner)",
+                  f"{whose} {shape_dict(other)} (untimed at this shape; tune it for a measured winner)",
                   markup=False, highlight=False, soft_wrap=True)
     else:
         params = op.params_from_dict(op.defaults(shape))

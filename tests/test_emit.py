@@ -19,7 +19,7 @@ from mage_gen.errors import ConfigError, MageError
 from mage_gen.ops import get_op
 from mage_gen.ops.layernorm import Params
 from mage_gen import emit as emit_module
-from mage_gen.store import save_entry
+from mage_gen.store import load_winner, save_entry
 from mage_gen.variants import build
 
 OP = get_op("layernorm")
@@ -553,6 +553,18 @@ def test_cli_emits_an_untuned_matmul_shape_with_the_nearest_tuned_params_and_say
     assert done.returncode == 0, done.stderr
     assert "nearest tuned shape {'m': 1024, 'n': 1024, 'k': 1024}" in " ".join(done.stderr.split())
     assert json.loads((tmp_path / "k" / "matmul_m1000_n1024_k1024.launch.json").read_text())["provenance"] is None
+
+
+def test_cli_emits_a_gemm_at_an_untuned_m_with_the_params_the_runtime_runs_there(tmp_path):
+    done = mage_gen_cli("emit", "gemm_sm90", "--m", "300", "--n", "4096", "--k", "4096", "-o", str(tmp_path / "k"),
+                        tuned=Path(__file__).resolve().parent.parent / "tuned", gpu="NVIDIA H200")
+    assert done.returncode == 0, done.stderr
+    assert "the size class the runtime runs here, tuned at {'m': 256, 'n': 4096, 'k': 4096}" in " ".join(
+        done.stderr.split())
+    gemm = get_op("gemm_sm90")
+    served = load_winner(gemm, gemm.shape(m=256, n=4096, k=4096), "NVIDIA H200").params
+    doc = json.loads((tmp_path / "k" / "gemm_sm90_bf16_nk_bf16_m300_n4096_k4096.launch.json").read_text())
+    assert doc["kernel"] == gemm.kernel_name(gemm.shape(m=300, n=4096, k=4096), served)
 
 
 def test_cli_gpu_option_beats_the_environment_and_out_defaults_to_kernels(tmp_path, synthetic_entry):
