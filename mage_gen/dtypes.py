@@ -66,10 +66,46 @@ def _undo_double_rounding(values: np.ndarray, bits: np.ndarray) -> None:
         flat_bits[moved] = np.where(away, flat_bits[moved] - np.uint32(1), flat_bits[moved] + np.uint32(1))
 
 
+def _e4m3_values() -> np.ndarray:
+    """The value of each of the 256 e4m3 (OCP float8_e4m3fn) codes: sign, 4 exponent bits (bias 7), 3 mantissa
+    bits, subnormals at exponent 0, no infinities, NaN at S.1111.111."""
+    codes = np.arange(256)
+    exponent, mantissa = (codes >> 3) & 0xF, (codes & 7).astype(np.float64)
+    magnitude = np.where(exponent == 0, mantissa / 8 * 2.0**-6, (1 + mantissa / 8) * 2.0 ** (exponent - 7))
+    values = np.where(codes & 0x80, -magnitude, magnitude)
+    values[(codes & 0x7F) == 0x7F] = np.nan
+    return values
+
+
+class E4M3Type(DType):
+    """fp8 e4m3 (torch.float8_e4m3fn), held as its raw 8-bit codes: what the Hopper GEMM's fp8 operands are. Not
+    among DTYPES: no norm takes it."""
+
+    def widen(self, array: np.ndarray) -> np.ndarray:
+        return _E4M3_VALUES[np.asarray(array, dtype=np.uint8)].astype(np.float32)
+
+    def round(self, values: np.ndarray) -> np.ndarray:
+        """To the nearest e4m3 code, ties to the even code, as torch's .to(torch.float8_e4m3fn) rounds: a magnitude
+        past the largest finite value (448, infinities too) saturates to it; NaN stays NaN."""
+        values = np.asarray(values, dtype=np.float64)
+        magnitude = np.abs(values)
+        finite = _E4M3_VALUES[:0x7F]  # the non-negative codes 0..0x7E, ascending
+        upper = np.clip(np.searchsorted(finite, magnitude), 1, len(finite) - 1)
+        below, above = finite[upper - 1], finite[upper]
+        nearer_above = (magnitude - below > above - magnitude) | ((magnitude - below == above - magnitude)
+                                                                   & (upper % 2 == 0))
+        code = np.where(nearer_above, upper, upper - 1).astype(np.uint8)
+        code = np.where(magnitude <= finite[-1], code, np.uint8(0x7E))
+        code = np.where(np.isnan(values), np.uint8(0x7F), code)
+        return np.where(np.signbit(values), code | np.uint8(0x80), code).astype(np.uint8)
+
+
+_E4M3_VALUES = _e4m3_values()
 FLOAT32 = DType("float32", "fp32", "f32", "float", 4, np.float32, 2.0**-24, 0x7FC00000)
 BFLOAT16 = DType("bfloat16", "bf16", "bf16", "unsigned short", 2, np.uint16, 2.0**-8, 0x7FC07FC0)
 FLOAT16 = DType("float16", "fp16", "f16", "unsigned short", 2, np.float16, 2.0**-11, 0x7E007E00)
 DTYPES = (FLOAT32, BFLOAT16, FLOAT16)
+E4M3 = E4M3Type("float8_e4m3fn", "e4m3", "e4m3", "unsigned char", 1, np.uint8, 2.0**-4, 0x7F7F7F7F)
 _ALIASES = {"float": FLOAT32, "f32": FLOAT32, "bf16": BFLOAT16, "f16": FLOAT16, "half": FLOAT16}
 
 
@@ -81,6 +117,11 @@ def dtype(name: str) -> DType:
     if name in _ALIASES:
         return _ALIASES[name]
     raise ConfigError(f"dtype: unknown dtype {name!r}; use one of {', '.join(d.short for d in DTYPES)}")
+
+
+def element(name: str) -> DType:
+    """Any element type a kernel's tensors may hold by name: those of dtype(), and e4m3 (the GEMM's fp8)."""
+    return E4M3 if name in (E4M3.name, E4M3.short) else dtype(name)
 
 
 def of_storage(storage: np.dtype | type) -> DType:

@@ -15,6 +15,7 @@ from typing import Any
 
 import mage_gen
 from mage_gen.dtypes import dtype as element_type
+from mage_gen.dtypes import element as any_element
 from mage_gen.census import aligned_contract
 from mage_gen.compile import nvrtc_version
 from mage_gen.errors import ConfigError, MageError
@@ -97,7 +98,7 @@ def _c_type(arg: Arg) -> str:
     if arg.kind in WORKING_KINDS:
         return _WORKING_C_TYPES[arg.dtype]
     if arg.kind in ("in", "out"):
-        return ("const " if arg.kind == "in" else "") + element_type(arg.dtype).c_type + "*"
+        return ("const " if arg.kind == "in" else "") + any_element(arg.dtype).c_type + "*"
     return _C_TYPES[arg.kind]
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from mage_gen.dtypes import BFLOAT16, FLOAT32, DType
+from mage_gen.dtypes import BFLOAT16, E4M3, FLOAT32, DType
 from mage_gen.dtypes import dtype as element_type
 from mage_gen.measure import HOT_LAUNCHES_PER_GRAPH, flush_bytes, hold, interleave, own_lines_only
 from mage_gen.verdict import compare_outputs
@@ -401,7 +401,9 @@ def strided_bf16_gemm_peers(shape: Any, inputs: dict[str, np.ndarray], eps: floa
                             output_of: _Outputs) -> dict[str, list[TorchSubject]]:
     """cuBLAS through torch (C = A·Bᵀ as F.linear computes it, or A·B for a K×N B: bf16 A and B, fp32 sums, C in C's
     type) and Triton's tl.dot over its Hopper tiles, each reading the same A and B (their padded rows) and writing
-    C's type."""
+    C's type. e4m3: torch._scaled_mm (cuBLASLt) with the per-tensor scales, with and without fast accumulation."""
+    if shape.precision == "e4m3":
+        return _scaled_mm_peers(shape, tensor_of, output_of)
     a_rows, b_rows = (tensor_of(name, BFLOAT16) for name in ("A", "B"))
     a = a_rows[:, :shape.k]
     nk = shape.b_layout == "nk"
@@ -440,6 +442,27 @@ def strided_bf16_gemm_peers(shape: Any, inputs: dict[str, np.ndarray], eps: floa
                           "num_warps": warps, "num_stages": stages})
             for bm, bn, bk, warps, stages in TRITON_SM90_CONFIGS]
     return candidates
+
+
+def _scaled_mm_peers(shape: Any, tensor_of: Callable[[str, DType], Any], output_of: _Outputs) -> dict[str, Any]:
+    """C = scale_a·scale_b·A·Bᵀ by torch._scaled_mm over the same e4m3 A and B (their padded rows: A row-major, B
+    read as a column-major K×N), fast accumulation on (the tensor cores' own sums, as ours) and off."""
+    a = tensor_of("A", E4M3).view(torch.float8_e4m3fn)[:, :shape.k]
+    b = tensor_of("B", E4M3).view(torch.float8_e4m3fn)[:, :shape.k].t()
+    scale_a, scale_b = (tensor_of(name, FLOAT32).reshape(()) for name in ("scale_a", "scale_b"))
+    out_type = torch.bfloat16 if shape.c_dtype == "bf16" else torch.float32
+
+    def run(c, fast: bool):
+        def go():
+            return torch.ops.aten._scaled_mm.out(a, b, scale_a, scale_b, out_dtype=out_type, use_fast_accum=fast,
+                                                 out=c)
+        return go
+
+    return {"scaled_mm": [TorchSubject(f"scaled_mm/{'fast' if fast else 'exact'}",
+                                       run(output_of("C", (shape.m, shape.n), out_type), fast),
+                                       {"fn": "torch._scaled_mm(A, B.t(), scale_a, scale_b)", "use_fast_accum": fast})
+                          for fast in (True, False)],
+            "triton": "no e4m3 kernel among the peers"}
 
 
 class _Outputs:

@@ -94,13 +94,17 @@ def _mma_shape(dtype: str) -> str:
     return _MMA_SHAPES[dtype]
 
 
+_WGMMA_K = {"bf16": 16, "f16": 16, "e4m3": 32, "e5m2": 32}  # K of one wgmma: 32 bytes of each input's rows
+
+
 def _wgmma_shape(accumulators: int, dtype: str) -> str:
-    """m64nNk16 of a wgmma whose thread holds `accumulators` floats (N/2): N a multiple of 8 up to 256."""
+    """m64nNk16 (16-bit inputs) or m64nNk32 (fp8) of a wgmma whose thread holds `accumulators` floats (N/2): N a
+    multiple of 8 up to 256."""
     n = 2 * accumulators
-    if dtype not in _MMA_SHAPES or dtype == "tf32" or n % 8 or not 8 <= n <= 256:
-        raise jinja2.TemplateRuntimeError(f"wgmma m64nNk16 takes 16-bit inputs and N a multiple of 8 in 8..256 (4..128 "
-                                          f"accumulators a thread), got {dtype!r} and {accumulators}")
-    return f"m64n{n}k16"
+    if dtype not in _WGMMA_K or n % 8 or not 8 <= n <= 256:
+        raise jinja2.TemplateRuntimeError(f"wgmma m64nNk takes {sorted(_WGMMA_K)} inputs and N a multiple of 8 in "
+                                          f"8..256 (4..128 accumulators a thread), got {dtype!r} and {accumulators}")
+    return f"m64n{n}k{_WGMMA_K[dtype]}"
 
 
 def _ptx_tag(tag: str) -> str:

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 
 from mage_gen import interp
-from mage_gen.dtypes import BFLOAT16
+from mage_gen.dtypes import BFLOAT16, FLOAT32
 from mage_gen.errors import ConfigError
 from mage_gen.ops import get_op
 from mage_gen.ops.gemm_sm90 import consumer_regs, consumer_rows, hilbert_order
@@ -347,3 +347,49 @@ def test_a_swapped_product_stores_c_transposed_bit_for_bit_at_tails_on_the_inter
     exact = OP.reference(shape, inputs, {})["C"]
     expected = BFLOAT16.round(exact) if c_dtype == "bf16" else exact.astype(np.float32)
     assert np.array_equal(out.view(np.uint8), expected.view(np.uint8))
+
+
+def _whole_e4m3(shape, rng):
+    """e4m3 inputs of small whole numbers and scales of powers of two: every sum exact in fp32."""
+    from mage_gen.dtypes import E4M3
+
+    inputs = OP.make_inputs(shape, {}, rng)
+    for name in ("A", "B"):
+        held = inputs[name]
+        held[:, :shape.k] = E4M3.round(rng.integers(-3, 4, (held.shape[0], shape.k)).astype(np.float32))
+    inputs["scale_a"][:], inputs["scale_b"][:] = 0.5, 4.0
+    return inputs
+
+
+@pytest.mark.parametrize("c_dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("values", [{}, {"bn": 32, "split_k": 2}, {"schedule": "pingpong", "consumers": 2},
+                                    {"bn": 16, "swap": True}, {"epilogue": "tma"}])
+def test_an_e4m3_product_with_per_tensor_scales_matches_numpy_bit_for_bit_at_tails(c_dtype, values):
+    n = 136 if values.get("epilogue") == "tma" else 129
+    shape = OP.shape(m=17, n=n, k=300, c_dtype=c_dtype, precision="e4m3")  # K past two 128-deep stages
+    variant = build(OP, shape, OP.params_from_dict({**SMALL, **values}), "sm_90")
+    assert "wgmma.mma_async.sync.aligned.m64n" in variant.compiled.ptx and ".f32.e4m3.e4m3" in variant.compiled.ptx
+    inputs = _whole_e4m3(shape, np.random.default_rng(9))
+    out = interp.launch_with(OP, shape, variant, {}, inputs)["C"]
+    exact = OP.reference(shape, inputs, {})["C"]
+    expected = BFLOAT16.round(exact) if c_dtype == "bf16" else exact.astype(np.float32)
+    assert np.array_equal(out.view(np.uint8), expected.view(np.uint8))
+
+
+def test_an_e4m3_kernel_passes_the_gate_on_the_interpreter_and_its_padding_is_nan():
+    shape = OP.shape(m=40, n=72, k=200, precision="e4m3")
+    inputs = OP.make_inputs(shape, {}, np.random.default_rng(0))
+    assert inputs["A"].dtype == np.uint8 and inputs["A"].shape == (40, 208) and (inputs["A"][:, 200:] == 0x7F).all()
+    assert inputs["scale_a"].shape == (1,) and 0.5 <= inputs["scale_a"][0] < 2
+    variant = build(OP, shape, OP.params_from_dict(SMALL), "sm_90")
+    assert interp.gate(OP, shape, variant, {}, np.random.default_rng(0)).passed
+    maps = OP.tensor_maps(shape, OP.params_from_dict(SMALL))
+    assert (maps["tma_a"].dtype, maps["tma_a"].box, maps["tma_a"].strides) == ("uint8", (128, 64), (208,))
+    assert [a.name for a in OP.args(shape)] == ["C", "A", "B", "scale_a", "scale_b"]
+
+
+def test_e4m3_takes_b_n_by_k_and_its_tolerance_grows_as_the_root_of_k():
+    with pytest.raises(ConfigError, match="^precision: an e4m3 wgmma reads both operands K-major"):
+        OP.shape(m=64, n=64, k=64, precision="e4m3", b_layout="kn")
+    small, large = (OP.tolerance_of(OP.shape(m=64, n=64, k=k, precision="e4m3"), "C", FLOAT32) for k in (256, 4096))
+    assert large == pytest.approx(4 * small, rel=1e-3)

@@ -123,3 +123,23 @@ def test_the_census_counts_packed_moves_and_conversions(dtype):
     census = take_census(compiled(dtype))
     assert census.global_loads["packed"] == {"v4": 1} and census.global_stores["narrow"] == {"v2": 1}
     assert (census.half_widen, census.half_narrow) == (8, 2)
+
+
+def test_e4m3_codes_widen_to_their_values_and_round_to_nearest_even_saturating():
+    from mage_gen.dtypes import E4M3
+
+    codes = np.array([0x00, 0x01, 0x08, 0x38, 0x39, 0x7E, 0xFE, 0x80], dtype=np.uint8)
+    assert E4M3.widen(codes).tolist() == [0.0, 2.0**-9, 2.0**-6, 1.0, 1.125, 448.0, -448.0, -0.0]
+    assert np.isnan(E4M3.widen(np.array([0x7F, 0xFF], dtype=np.uint8))).all()
+    # 1.0625 lies halfway between 1.0 (0x38, even) and 1.125 (0x39): the even code; 1.1875, between 0x39 and 0x3A
+    assert E4M3.round(np.array([1.0625, 1.1875, 1.07, 500.0, np.inf, -1e9, np.nan])).tolist() == [
+        0x38, 0x3A, 0x39, 0x7E, 0x7E, 0xFE, 0x7F]
+
+
+def test_e4m3_rounds_as_torch_casts():
+    torch = pytest.importorskip("torch")
+    from mage_gen.dtypes import E4M3
+
+    values = np.concatenate([np.random.default_rng(0).standard_normal(20000) * 40, np.linspace(-500, 500, 4001)])
+    assert np.array_equal(E4M3.round(values),
+                          torch.tensor(values).to(torch.float8_e4m3fn).view(torch.uint8).numpy())

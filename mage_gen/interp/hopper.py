@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mage_gen.dtypes import E4M3
 from mage_gen.interp import alu
 from mage_gen.interp.errors import DivergenceError, InterpError, RaceError, StaleReadError, UnknownInstruction
 from mage_gen.interp.fp import bf16_to_f32
@@ -406,13 +407,18 @@ def cp_bulk(dec: Decoder, st, parts):
 
 # ---- wgmma ----
 
-_WGMMA = re.compile(r"m64n(\d+)k16")
+_WGMMA = re.compile(r"m64n(\d+)k(16|32)")
+# wgmma's input types: bytes an element, and K of one instruction (32 bytes of each row either way)
+_WGMMA_INPUTS = {"bf16": (2, 16), "e4m3": (1, 32)}
+_E4M3 = E4M3.widen(np.arange(256, dtype=np.uint8)).astype(np.float64)
 
 
 def _operand_elements(w, a: AsyncState, desc: int, rows: int, trans: bool, what: str,
-                      name: str) -> tuple[np.ndarray, np.ndarray]:
-    """The rows × 16 bf16 elements an m64nNk16 operand reads through its descriptor (A's 64 rows, or B's N), as
-    float64, K along the second axis, and the shared words they lie in; checks what the async proxy may read."""
+                      name: str, kind: str = "bf16") -> tuple[np.ndarray, np.ndarray]:
+    """The rows × K elements (16 bf16, or 32 e4m3: 32 bytes of each row) an operand reads through its descriptor
+    (A's 64 rows, or B's N), as float64, K along the second axis, and the shared words they lie in; checks what the
+    async proxy may read."""
+    size, depth = _WGMMA_INPUTS[kind]
     start = (desc & 0x3FFF) << 4
     lbo = ((desc >> 16) & 0x3FFF) << 4
     sbo = ((desc >> 32) & 0x3FFF) << 4
@@ -420,12 +426,13 @@ def _operand_elements(w, a: AsyncState, desc: int, rows: int, trans: bool, what:
         raise UnknownInstruction(f"{what}: a descriptor base offset is not modeled")
     span = _SWIZZLE_MODES[(desc >> 62) & 3]
     r = np.arange(rows)[:, None]
-    k = np.arange(16)[None, :]
-    if not trans:  # K-major: a row's 16 elements side by side, rows `span` bytes apart within 8-row groups
+    k = np.arange(depth)[None, :]
+    per = 16 // size  # elements of a core matrix's 16-byte row
+    if not trans:  # K-major: a row's elements side by side, rows `span` bytes apart within 8-row groups
         if span:
-            offsets = (r // 8) * sbo + (r % 8) * span + k * 2
+            offsets = (r // 8) * sbo + (r % 8) * span + k * size
         else:  # core matrices of 8 rows × 16 bytes: SBO between row groups, LBO along K
-            offsets = (r // 8) * sbo + (k // 8) * lbo + (r % 8) * 16 + (k % 8) * 2
+            offsets = (r // 8) * sbo + (k // per) * lbo + (r % 8) * 16 + (k % per) * size
     else:  # N-major (B): element (k, n) with n along the span's columns, LBO between spans, SBO between k-groups
         if not span:
             raise UnknownInstruction(f"{what}: an N-major operand without a swizzle is not modeled")
@@ -433,7 +440,7 @@ def _operand_elements(w, a: AsyncState, desc: int, rows: int, trans: bool, what:
         offsets = (r // per) * lbo + (k // 8) * sbo + (k % 8) * span + (r % per) * 2
     addr = swizzled(start + offsets, span)
     sh = w.block.shared
-    if addr.max() + 2 > sh.nbytes:
+    if addr.max() + size > sh.nbytes:
         raise InterpError(f"{what}: {name} read through its descriptor reaches past the block's shared memory")
     idx = addr // 4
     landed, phases = a.landed_bar[idx], a.landed_phase[idx]
@@ -447,8 +454,10 @@ def _operand_elements(w, a: AsyncState, desc: int, rows: int, trans: bool, what:
     if (dirty := a.unfenced[idx] != NONE).any():
         raise StaleReadError(f"{what}: {name} reads shared address {4 * int(idx[dirty][0]):#x}, written by a thread "
                              "with no fence.proxy.async since")
-    halves = (sh.words[idx] >> ((addr % 4) * 8).astype(np.uint32)) & np.uint32(0xFFFF)
-    return bf16_to_f32(halves.astype(np.uint16)).astype(np.float64), np.unique(idx)
+    held = (sh.words[idx] >> ((addr % 4) * 8).astype(np.uint32)) & np.uint32((1 << 8 * size) - 1)
+    if kind == "e4m3":
+        return _E4M3[held], np.unique(idx)
+    return bf16_to_f32(held.astype(np.uint16)).astype(np.float64), np.unique(idx)
 
 
 def _wgmma(dec: Decoder, st, parts):
@@ -484,18 +493,21 @@ def _wgmma(dec: Decoder, st, parts):
     if op != "mma_async" or parts[2:4] != ["sync", "aligned"]:
         raise UnknownInstruction(f"wgmma.{op} form not implemented")
     shape = _WGMMA.fullmatch(parts[4])
-    if not shape or parts[5:] != ["f32", "bf16", "bf16"]:
-        raise UnknownInstruction("only wgmma.mma_async.sync.aligned.m64nNk16.f32.bf16.bf16 is modeled")
+    kind = parts[6] if len(parts) == 8 and parts[5] == "f32" and parts[6] == parts[7] else None
+    if not shape or kind not in _WGMMA_INPUTS or int(shape.group(2)) != _WGMMA_INPUTS[kind][1]:
+        raise UnknownInstruction("only wgmma.mma_async.sync.aligned m64nNk16.f32.bf16.bf16 and m64nNk32.f32.e4m3.e4m3 "
+                                 "are modeled")
     n = int(shape.group(1))
-    if len(st.operands) != 8:
+    transposable = kind == "bf16"  # fp8 takes no transpose operands
+    if len(st.operands) != (8 if transposable else 6):
         raise UnknownInstruction("wgmma with both operands in shared memory takes d, desc-a, desc-b, scale-d, "
-                                 "imm-scale-a, imm-scale-b, imm-trans-a, imm-trans-b")
+                                 "imm-scale-a, imm-scale-b" + (", imm-trans-a, imm-trans-b" if transposable else ""))
     d = [dec.dst(x) for x in dec.vector(st.operands[0])]
     if len(d) != n // 2:
         raise UnknownInstruction(f"m64n{n}k16 with f32 accumulators takes {n // 2} registers")
     desc_a, desc_b = dec.src(st.operands[1], np.uint64), dec.src(st.operands[2], np.uint64)
     scale_d = dec.src(st.operands[3], np.bool_)
-    imm = [parse_int(x) for x in st.operands[4:]]
+    imm = [parse_int(x) for x in st.operands[4:]] + ([] if transposable else [0, 0])
     if imm[0] != 1 or imm[1] != 1 or imm[2] != 0:
         raise UnknownInstruction("wgmma with negated inputs or a transposed A not modeled")
     trans_b = bool(imm[3])
@@ -512,8 +524,8 @@ def _wgmma(dec: Decoder, st, parts):
         db = _uniform(np.broadcast_to(desc_b(w.r), (LANES,)), what, "descriptor")
         accumulate = _uniform(np.broadcast_to(scale_d(w.r), (LANES,)), what, "scale-d")
         # A: 64 rows K-major; the warp's 16 begin 16·quarter rows in, two 8-row groups per quarter
-        a_all, a_idx = _operand_elements(w, a, da, 64, False, what, "wgmma's A")
-        b_all, b_idx = _operand_elements(w, a, db, n, trans_b, what, "wgmma's B")
+        a_all, a_idx = _operand_elements(w, a, da, 64, False, what, "wgmma's A", kind)
+        b_all, b_idx = _operand_elements(w, a, db, n, trans_b, what, "wgmma's B", kind)
         product = a_all[16 * quarter:16 * quarter + 16] @ b_all.T  # (16, n)
         current = np.stack([w.wgmma_shadow.get(s, w.r[s]).view(np.float32) for s in d], axis=1).astype(np.float64)
         result = (product[rows, cols] + (current if accumulate else 0.0)).astype(np.float32)

@@ -2,7 +2,9 @@
 
 C = A·Bᵀ with A M×K and B N×K (`b_layout` nk, an nn.Linear weight: both operands K-major), or C = A·B with B
 K×N (kn: B N-major, which wgmma reads through its transpose bit), bf16 in, fp32 accumulation, C bf16 or fp32,
-row-major. M, N and K are fixed when the kernel is generated. Rows of A and B are read by TMA, which
+row-major. `precision` e4m3: A and B fp8 (K-major both, nk only), C = scale_a·scale_b·A·Bᵀ with two fp32 scales
+taken by pointer after B, as torch._scaled_mm takes them; a stage is still 128 bytes of K (128 elements), a wgmma
+k32. M, N and K are fixed when the kernel is generated. Rows of A and B are read by TMA, which
 needs each row to start on 16 bytes: a K that is not a multiple of 8 is taken with rows padded to the next
 multiple (the tensors' row stride, `lda`, says so), and past K, M and N a copy brings zeros, so tails cost
 nothing but the guards of C's stores.
@@ -39,18 +41,19 @@ from typing import Any
 
 import numpy as np
 
-from mage_gen.dtypes import BFLOAT16, FLOAT32, DType
+from mage_gen.dtypes import BFLOAT16, E4M3, FLOAT32, DType
 from mage_gen.errors import ConfigError
 from mage_gen.ops.base import (WAVES, Arg, LazyFunction, Launch, OpFamily, Rule, TensorMapSpec, check_rules, params_dict,
                                params_from, public_params_from)
 from mage_gen.render import Source, render
 
-PRECISIONS = ("bf16",)
+PRECISIONS = ("bf16", "e4m3")
+ELEMENTS = {"bf16": BFLOAT16, "e4m3": E4M3}  # what A and B hold, by precision
 OUTPUTS = {"bf16": BFLOAT16, "fp32": FLOAT32}
 B_LAYOUTS = ("nk", "kn")  # B as N×K row-major (C = A·Bᵀ), or K×N (C = A·B)
 MAX_DIM = 1 << 20
-BK = 64  # elements of K per stage: one 128-byte row of each operand's tile, the 128-byte swizzle's span
-KSTEP = 16  # K of one wgmma
+ROW_BYTES = 128  # of K per stage in each row of an operand's tile: the 128-byte swizzle's span
+KSTEP_BYTES = 32  # of K one wgmma takes: k16 of bf16, k32 of e4m3
 SWIZZLE = 128
 SBO = 8 * 128  # bytes between 8-row groups of a 128-byte-swizzled tile
 MAX_SHARED_BYTES = 227 * 1024  # the opt-in limit per block on sm_90
@@ -92,12 +95,22 @@ class Shape:
     @property
     def lda(self) -> int:
         """Elements from one row of A (and of an N×K B) to the next."""
-        return padded(self.k, BFLOAT16)
+        return padded(self.k, self.element)
 
     @property
     def ldb(self) -> int:
         """Elements from one row of B to the next."""
-        return self.lda if self.b_layout == "nk" else padded(self.n, BFLOAT16)
+        return self.lda if self.b_layout == "nk" else padded(self.n, self.element)
+
+    @property
+    def element(self) -> DType:
+        """What A and B hold."""
+        return ELEMENTS.get(self.precision, BFLOAT16)
+
+    @property
+    def bk(self) -> int:
+        """Elements of K per stage: 64 of bf16, 128 of e4m3 (128 bytes either way)."""
+        return ROW_BYTES // self.element.itemsize
 
     @property
     def b_rows(self) -> int:
@@ -178,7 +191,7 @@ def wave_tile(shape: Shape, bm: int, sms: int) -> int:
 
 
 def _kblocks(shape: Shape) -> int:
-    return -(-shape.k // BK)
+    return -(-shape.k // shape.bk)
 
 
 def _workspace_tiles(shape: Shape, p: Params) -> tuple[int, int]:
@@ -258,11 +271,13 @@ def _shared_bytes(shape: Shape, p: Params) -> int:
     staging = p.consumers * consumer_rows(p) * p.bn * out.itemsize if epilogue(shape, p) == "tma" else 0
     order = 16 if p.schedule == "pingpong" else 0  # the consumers' two turn barriers
     flags = 8 if p.split_k > 1 else 0  # split K: each tile's consumers agree there on which unit arrived last
-    return 1024 + p.stages * (p.bm + p.bn) * BK * 2 + staging + 2 * 8 * p.stages + order + flags  # 1024: to align
+    return 1024 + p.stages * (p.bm + p.bn) * ROW_BYTES + staging + 2 * 8 * p.stages + order + flags  # 1024: to align
 
 
 _SHAPE_RULES = (
     Rule("precision", lambda s: s.precision in PRECISIONS, lambda s: f"precision is one of {PRECISIONS}, got {s.precision!r}"),
+    Rule("precision", lambda s: s.precision == "bf16" or s.b_layout == "nk",
+         lambda s: f"an {s.precision} wgmma reads both operands K-major: B must be N×K (b_layout nk), got {s.b_layout}"),
     Rule("c-dtype", lambda s: s.c_dtype in OUTPUTS, lambda s: f"c_dtype (C's element type) is one of {tuple(OUTPUTS)}, got {s.c_dtype!r}"),
     Rule("b-layout", lambda s: s.b_layout in B_LAYOUTS,
          lambda s: f"b_layout is one of {B_LAYOUTS} (nk: B as N×K, an nn.Linear weight; kn: K×N), got {s.b_layout!r}"),
@@ -325,14 +340,14 @@ _RULES: tuple[Rule, ...] = (
          lambda s, p: "swap (Cᵀ = B·Aᵀ) takes B N×K (nk), epilogue direct and cluster 1, got "
                       f"b_layout {s.b_layout}, epilogue {p.epilogue}, cluster {p.cluster}"),
     Rule("shared-memory", lambda s, p: _shared_bytes(s, p) <= MAX_SHARED_BYTES,
-         lambda s, p: f"{p.stages} stages of {p.bm}×{BK} and {p.bn}×{BK}"
+         lambda s, p: f"{p.stages} stages of {p.bm}×{s.bk} and {p.bn}×{s.bk}"
                       + (" and the C staging tile" if epilogue(s, p) == "tma" else "")
                       + f" need {_shared_bytes(s, p)} bytes, over the {MAX_SHARED_BYTES} a block can have; use fewer "
                         "stages or a smaller tile"),
     Rule("split-k", lambda s, p: 1 <= p.split_k <= MAX_SPLIT_K,
          lambda s, p: f"split_k is 1 (no split) to {MAX_SPLIT_K} slices of K, got {p.split_k}"),
     Rule("split-k", lambda s, p: p.split_k <= _kblocks(s),
-         lambda s, p: f"split_k={p.split_k} slices need a {BK}-deep step of K each, and K={s.k} has {_kblocks(s)}; "
+         lambda s, p: f"split_k={p.split_k} slices need a {s.bk}-deep step of K each, and K={s.k} has {_kblocks(s)}; "
                       f"use split_k ≤ {_kblocks(s)}"),
     Rule("plant", lambda s, p: p.plant in PLANTED_BUGS, lambda s, p: f"unknown planted bug {p.plant!r}"),
     Rule("plant", lambda s, p: p.plant not in SPLIT_PLANTS or p.split_k > 1,
@@ -359,7 +374,7 @@ class GemmSm90(OpFamily):
     torch_name = "mage_gen.torch.linear"
     class_dims = ("m",)  # a model calls a layer's (N, K) at every token count: its entries are classes over M
     field_help = {"m": "rows of A and C", "n": "columns of C", "k": "columns of A",
-                  "precision": "bf16 (what A and B are; c_dtype is C's)",
+                  "precision": "bf16, or e4m3 (fp8; C = scale_a·scale_b·A·Bᵀ, B N×K) (what A and B are; c_dtype is C's)",
                   "c_dtype": "C's element type: bf16 or fp32",
                   "b_layout": "nk (B N×K, C = A·Bᵀ) or kn (B K×N, C = A·B)"}
 
@@ -429,17 +444,19 @@ class GemmSm90(OpFamily):
     def tensor_maps(self, shape: Shape, p: Params) -> dict[str, TensorMapSpec]:
         """The TMA tensor maps the kernel takes after its pointers, in order: which tensor each maps and how."""
         out = OUTPUTS[shape.c_dtype]
-        row = shape.lda * 2
+        element = "bfloat16" if shape.precision == "bf16" else "uint8"  # TMA moves e4m3 codes as bytes
+        bk, item = shape.bk, shape.element.itemsize
+        row = shape.lda * item
         # each CTA of a cluster copies its share of the B tile's rows (nk), or of its 64-column boxes (kn)
-        b = (TensorMapSpec("B", "bfloat16", (shape.k, shape.n), (row,), (BK, p.bn // self.b_sharers(p)), SWIZZLE, 256)
+        b = (TensorMapSpec("B", element, (shape.k, shape.n), (row,), (bk, p.bn // self.b_sharers(p)), SWIZZLE, 256)
              if shape.b_layout == "nk" else
-             TensorMapSpec("B", "bfloat16", (shape.n, shape.k), (shape.ldb * 2,), (64, BK), SWIZZLE, 256))
-        maps = {"tma_a": TensorMapSpec("A", "bfloat16", (shape.k, shape.m), (row,), (BK, p.bm // _shares(p)[0]),
+             TensorMapSpec("B", element, (shape.n, shape.k), (shape.ldb * item,), (64, bk), SWIZZLE, 256))
+        maps = {"tma_a": TensorMapSpec("A", element, (shape.k, shape.m), (row,), (bk, p.bm // _shares(p)[0]),
                                        SWIZZLE, 256),
                 "tma_b": b}
         if p.swap:  # the kernel's first operand (bm rows a tile) is B, its second (bn rows) A
-            maps = {"tma_a": TensorMapSpec("B", "bfloat16", (shape.k, shape.n), (row,), (BK, p.bm), SWIZZLE, 256),
-                    "tma_b": TensorMapSpec("A", "bfloat16", (shape.k, shape.m), (row,), (BK, p.bn), SWIZZLE, 256)}
+            maps = {"tma_a": TensorMapSpec("B", element, (shape.k, shape.n), (row,), (bk, p.bm), SWIZZLE, 256),
+                    "tma_b": TensorMapSpec("A", element, (shape.k, shape.m), (row,), (bk, p.bn), SWIZZLE, 256)}
         if epilogue(shape, p) == "tma":
             maps["tma_c"] = TensorMapSpec("C", out.name, (shape.n, shape.m), (shape.n * out.itemsize,),
                                           (128 // out.itemsize, consumer_rows(p)), SWIZZLE, 0)
@@ -465,21 +482,23 @@ class GemmSm90(OpFamily):
         tiles_m, tiles_n = _tiles(shape, p)
         product = computed(shape, p)
         units_m, units_n = _units(shape, p)
-        stage_bytes = (p.bm + p.bn) * BK * 2
+        stage_bytes = (p.bm + p.bn) * ROW_BYTES
         c_stage = p.consumers * consumer_rows(p) * p.bn * out.itemsize if epilogue(shape, p) == "tma" else 0
         share_a = _shares(p)[0]
         return dict(
-            M=product.m, N=product.n, K=shape.k, BM=p.bm, BN=p.bn, BK=BK, STAGES=p.stages, CONSUMERS=p.consumers,
+            M=product.m, N=product.n, K=shape.k, BM=p.bm, BN=p.bn, BK=shape.bk, STAGES=p.stages, CONSUMERS=p.consumers,
             THREADS=p.threads, TILES_M=tiles_m, TILES_N=tiles_n, CLUSTER=p.cluster, SHARE=self.b_sharers(p),
-            SHARE_A=share_a, KSTEP=KSTEP, PINGPONG=p.schedule == "pingpong", CONSUMER_ROWS=consumer_rows(p),
+            SHARE_A=share_a, PINGPONG=p.schedule == "pingpong", CONSUMER_ROWS=consumer_rows(p),
             # each stage is freed by every consumer that reads it, in every CTA that copies into it
             EMPTY_ARRIVALS=(1 if p.schedule == "pingpong" else p.consumers) * self.b_sharers(p) * share_a, UNITS_M=units_m, UNITS_N=units_n,
-            UNITS=units_m * units_n, KBLOCKS=-(-shape.k // BK),
+            UNITS=units_m * units_n, KBLOCKS=_kblocks(shape),
             HILBERT=[r << 16 | c for r, c in hilbert_order(units_m, units_n)] if p.order == "hilbert" else [],
-            KSTEPS=BK // KSTEP, KSTEP_BYTES=KSTEP * 2, MI=consumer_rows(p) // 64, ACC=p.bn // 2,
-            A_BYTES=p.bm * BK * 2, B_BYTES=p.bn * BK * 2, STAGE_BYTES=stage_bytes,
-            CONSUMER_A_BYTES=consumer_rows(p) * BK * 2, B_KN=shape.b_layout == "kn", B_BOXES=p.bn // 64,
-            B_LBO=BK * 128,  # a K×N B tile: from one box of 64 columns to the next
+            KSTEPS=ROW_BYTES // KSTEP_BYTES, KSTEP_BYTES=KSTEP_BYTES, MI=consumer_rows(p) // 64, ACC=p.bn // 2,
+            A_BYTES=p.bm * ROW_BYTES, B_BYTES=p.bn * ROW_BYTES, STAGE_BYTES=stage_bytes,
+            CONSUMER_A_BYTES=consumer_rows(p) * ROW_BYTES, B_KN=shape.b_layout == "kn", B_BOXES=p.bn // 64,
+            B_LBO=shape.bk * 128,  # a K×N B tile: from one box of 64 columns to the next
+            # what A and B hold (wgmma's input type, the pointers' C type); e4m3 C is scaled by scale_a · scale_b
+            AB_PTX=shape.element.ptx, AB_TYPE=shape.element.c_type, SCALED=shape.precision == "e4m3",
             C_STAGE_AT=p.stages * stage_bytes, C_STAGE_BYTES=c_stage, BARRIERS_AT=p.stages * stage_bytes + c_stage,
             C_BOX_COLS=128 // out.itemsize, C_BOX_BYTES=consumer_rows(p) * 128, C_BOXES=p.bn * out.itemsize // 128,
             C_TYPE=out.c_type, C_PTX=out.ptx, C_PAIRS=c_pairs(shape, p), SWAP=p.swap,
@@ -507,7 +526,10 @@ class GemmSm90(OpFamily):
 
     # ---- data ----
     def args(self, shape: Shape) -> tuple[Arg, ...]:
-        return (Arg("C", "out", OUTPUTS[shape.c_dtype].name), Arg("A", "in", "bfloat16"), Arg("B", "in", "bfloat16"))
+        """C, A, B; e4m3 also scale_a and scale_b, one fp32 each (C = scale_a·scale_b·A·Bᵀ, as torch._scaled_mm)."""
+        element = shape.element.name
+        scales = (Arg("scale_a", "in", "float32"), Arg("scale_b", "in", "float32")) if shape.precision == "e4m3" else ()
+        return (Arg("C", "out", OUTPUTS[shape.c_dtype].name), Arg("A", "in", element), Arg("B", "in", element), *scales)
 
     def launch_args(self, shape: Shape, p: Params) -> tuple[Arg, ...]:
         """args, and under split K the workspace (scratch) and the tiles' counters (zero on entry, left zero)."""
@@ -517,14 +539,21 @@ class GemmSm90(OpFamily):
                                    Arg("counters", "zeroed", "uint32", counters(shape, p)))
 
     def make_inputs(self, shape: Shape, run: dict[str, int], rng: np.random.Generator) -> dict[str, np.ndarray]:
-        """A and B with rows of lda elements; the padding past K is NaN, so a kernel that read it would fail."""
+        """A and B with rows of lda elements; the padding past K is NaN, so a kernel that read it would fail. e4m3:
+        normal values times 8 (most codes' exponents in use) and scales drawn from 0.5-2."""
+        element = shape.element
+        spread = 8.0 if shape.precision == "e4m3" else 1.0
+
         def rows(count: int, length: int, stride: int) -> np.ndarray:
-            held = np.full((count, stride), BFLOAT16.nan_bits & 0xFFFF, dtype=np.uint16)
-            held[:, :length] = BFLOAT16.round(rng.standard_normal((count, length), dtype=np.float32))
+            held = np.full((count, stride), element.nan_bits & (1 << 8 * element.itemsize) - 1, dtype=element.storage)
+            held[:, :length] = element.round(spread * rng.standard_normal((count, length), dtype=np.float32))
             return held
 
         b = (shape.n, shape.k) if shape.b_layout == "nk" else (shape.k, shape.n)
-        return {"A": rows(shape.m, shape.k, shape.lda), "B": rows(*b, shape.ldb)}
+        inputs = {"A": rows(shape.m, shape.k, shape.lda), "B": rows(*b, shape.ldb)}
+        if shape.precision == "e4m3":
+            inputs.update({name: rng.uniform(0.5, 2.0, 1).astype(np.float32) for name in ("scale_a", "scale_b")})
+        return inputs
 
     def output_shapes(self, shape: Shape, run: dict[str, int]) -> dict[str, tuple[int, ...]]:
         return {"C": (shape.m, shape.n)}
@@ -533,20 +562,27 @@ class GemmSm90(OpFamily):
         return {"C": OUTPUTS[shape.c_dtype]}
 
     def tolerance_of(self, shape: Shape, output: str, dtype: DType) -> float:
-        accumulation = 2.0**-24 * shape.k + self.tolerance
+        """bf16: products exact in fp32, the sum's error at most about K·2⁻²⁴. e4m3: products exact too, but the
+        tensor cores sum fp8 products in fewer bits than fp32 (about 14 kept, DeepGEMM's finding), a random walk of K
+        such roundings: 2⁻¹³·√K. Then one rounding of C to bf16 (2⁻⁸ relative, twice for margin)."""
+        accumulation = (2.0**-13 * shape.k ** 0.5 if shape.precision == "e4m3" else 2.0**-24 * shape.k) + self.tolerance
         return accumulation + (2 * dtype.unit_roundoff if dtype.itemsize == 2 else 0.0)
 
     def reference(self, shape: Shape, inputs: dict[str, np.ndarray], scalars: dict[str, int | float]) -> dict[str, np.ndarray]:
-        a = BFLOAT16.widen(inputs["A"][:, :shape.k]).astype(np.float64)
+        element = shape.element
+        a = element.widen(inputs["A"][:, :shape.k]).astype(np.float64)
+        if shape.precision == "e4m3":  # the scales as the kernel applies them: their fp32 product
+            a = a * float(np.float32(inputs["scale_a"][0]) * np.float32(inputs["scale_b"][0]))
         if shape.b_layout == "nk":
-            return {"C": a @ BFLOAT16.widen(inputs["B"][:, :shape.k]).astype(np.float64).T}
-        return {"C": a @ BFLOAT16.widen(inputs["B"][:, :shape.n]).astype(np.float64)}
+            return {"C": a @ element.widen(inputs["B"][:, :shape.k]).astype(np.float64).T}
+        return {"C": a @ element.widen(inputs["B"][:, :shape.n]).astype(np.float64)}
 
     def gate_runs(self, shape: Shape, run: dict[str, int], params: Params) -> list[dict[str, int]]:
         return [{}]
 
     def bytes_moved(self, shape: Shape, run: dict[str, int]) -> int:
-        return 2 * (shape.m + shape.n) * shape.k + OUTPUTS[shape.c_dtype].itemsize * shape.m * shape.n  # either layout
+        return (shape.element.itemsize * (shape.m + shape.n) * shape.k  # either layout
+                + OUTPUTS[shape.c_dtype].itemsize * shape.m * shape.n)
 
     def flops(self, shape: Shape) -> int:
         return 2 * shape.m * shape.n * shape.k
@@ -558,7 +594,7 @@ class GemmSm90(OpFamily):
         c_align = 16 if epilogue(shape, p) == "tma" else (2 * out.itemsize if c_pairs(shape, p) else out.itemsize)
 
         def operand(rows: int, cols: int, stride: int, what: str) -> dict[str, Any]:
-            return {"dtype": "bfloat16", "shape": [rows, cols],
+            return {"dtype": shape.element.name, "shape": [rows, cols],
                     "layout": f"row-major ({what}), row stride {stride} elements (a row rounded up to 16 bytes)",
                     "alignment_bytes": 16}
 
@@ -569,7 +605,9 @@ class GemmSm90(OpFamily):
             "tensors": {"C": {"dtype": out.name, "shape": [shape.m, shape.n],
                               "layout": f"row-major, contiguous, row stride {shape.n} elements",
                               "alignment_bytes": c_align},
-                        "A": operand(shape.m, shape.k, shape.lda, "M×K"), "B": b},
+                        "A": operand(shape.m, shape.k, shape.lda, "M×K"), "B": b,
+                        **{name: {"dtype": "float32", "shape": [1], "layout": "one value, multiplying C",
+                                  "alignment_bytes": 4} for name in ("scale_a", "scale_b") if shape.precision == "e4m3"}},
             "aliasing": "C must not overlap A or B (no in-place use): every pointer is declared __restrict__",
             **(self._working(shape, p) if p.split_k > 1 else {}),
             "scalars": {},
