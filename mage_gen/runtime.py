@@ -166,26 +166,36 @@ def matmul(c: int, a: int, b: int, m: int, n: int, k: int, stream: int = 0, *, d
 
 
 def gemm(c: int, a: int, b: int, m: int, n: int, k: int, stream: int = 0, *, device: int = 0,
-         c_dtype: str = "bf16", b_layout: str = "nk") -> None:
+         c_dtype: str = "bf16", b_layout: str = "nk", precision: str = "bf16", scale_a: int = 0,
+         scale_b: int = 0) -> None:
     """C = A·Bᵀ (b_layout nk: B N×K, an nn.Linear weight) or C = A·B (kn: B K×N) on Hopper's tensor cores (op
     gemm_sm90): A (m×k) and B bfloat16, C (m×n) c_dtype (bf16 or fp32), all row-major, for an (n, k) tuned on this
     GPU at some M: the entry tuned at the nearest M (dispatch.CLASS_RULE) runs, compiled for this m (once; NVRTC
-    caches it on disk); an (n, k) tuned at no M is refused. Rows of A and of B are K (a K×N B: N) elements rounded up to a
-    multiple of 8 apart, C's n; A and B start on 16 bytes (TMA), C on its element pairs (16 bytes where the kernel
-    stores C by TMA). A split-K winner gets its workspace and counters from the runtime, one set per stream: launches
-    on two streams at once never share them."""
-    dims = {"m": m, "n": n, "k": k, "c_dtype": c_dtype, "b_layout": b_layout}
-    _gemm_shape(m, n, k, c_dtype, b_layout)  # before any call to the driver
+    caches it on disk); an (n, k) tuned at no M is refused. Rows of A and of B are K (a K×N B: N) elements rounded up
+    to 16 bytes apart, C's n; A and B start on 16 bytes (TMA), C on its element pairs (16 bytes where the kernel
+    stores C by TMA). precision e4m3: A and B fp8 (B N×K), C = scale_a·scale_b·A·Bᵀ with scale_a and scale_b the
+    addresses of one fp32 each, as torch._scaled_mm. A split-K winner gets its workspace and counters from the
+    runtime, one set per stream: launches on two streams at once never share them."""
+    dims = {"m": m, "n": n, "k": k, "precision": precision, "c_dtype": c_dtype, "b_layout": b_layout}
+    item = _gemm_shape(m, n, k, precision, c_dtype, b_layout)  # before any call to the driver
     if not (a and b and c) or (a | b) % TMA_ALIGNMENT:
         check_alignment("gemm_sm90", {"C": 1, "A": TMA_ALIGNMENT, "B": TMA_ALIGNMENT}, {"C": c, "A": a, "B": b})
+    pointers = {"C": c, "A": a, "B": b}
+    if precision == "e4m3":
+        check_alignment("gemm_sm90", {"scale_a": 4, "scale_b": 4}, {"scale_a": scale_a, "scale_b": scale_b})
+        pointers.update(scale_a=scale_a, scale_b=scale_b)
+    elif scale_a or scale_b:
+        raise LaunchError(f"gemm_sm90: scale_a and scale_b multiply an e4m3 product; a {precision} one takes none")
     b_rows, b_cols = (n, k) if b_layout == "nk" else (k, n)
-    _check_disjoint(c, m * n * (4 if c_dtype == "fp32" else 2), a, _extent(m, k), b, _extent(b_rows, b_cols))
-    launch("gemm_sm90", dims, {}, {"C": c, "A": a, "B": b}, {}, stream, device=device, tuned_only=True)
+    _check_disjoint(c, m * n * (4 if c_dtype == "fp32" else 2), a, _extent(m, k, item), b,
+                    _extent(b_rows, b_cols, item))
+    launch("gemm_sm90", dims, {}, pointers, {}, stream, device=device, tuned_only=True)
 
 
-def _extent(rows: int, cols: int) -> int:
-    """Bytes a bf16 matrix spans from its first element to past its last, rows padded to 16 bytes apart (TMA)."""
-    return (rows - 1) * (-(-cols * 2 // 16) * 16) + cols * 2
+def _extent(rows: int, cols: int, item: int = 2) -> int:
+    """Bytes a matrix of `item`-byte elements spans from its first element to past its last, rows padded to 16
+    bytes apart (TMA)."""
+    return (rows - 1) * (-(-cols * item // 16) * 16) + cols * item
 
 
 def _check_disjoint(c: int, c_bytes: int, a: int, a_bytes: int, b: int, b_bytes: int) -> None:
@@ -197,10 +207,12 @@ def _check_disjoint(c: int, c_bytes: int, a: int, a_bytes: int, b: int, b_bytes:
 
 
 @lru_cache(maxsize=256)
-def _gemm_shape(m: int, n: int, k: int, c_dtype: str, b_layout: str) -> None:
-    """Refuse sizes, a C type or a B layout the kernel cannot take (checked once per shape: a refusal is not kept)."""
+def _gemm_shape(m: int, n: int, k: int, precision: str, c_dtype: str, b_layout: str) -> int:
+    """Refuse sizes, a precision, a C type or a B layout the kernel cannot take (checked once per shape: a refusal is
+    not kept); the bytes of A's and B's elements."""
     try:
-        get_op("gemm_sm90").shape(m=m, n=n, k=k, c_dtype=c_dtype, b_layout=b_layout)
+        return get_op("gemm_sm90").shape(m=m, n=n, k=k, precision=precision, c_dtype=c_dtype,
+                                         b_layout=b_layout).element.itemsize
     except ConfigError as exc:
         raise LaunchError(f"gemm_sm90: {exc}") from None
 

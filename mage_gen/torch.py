@@ -5,6 +5,7 @@
     y = rms_norm(x, weight, eps=1e-6)           # x: (..., d) CUDA; weight: (d,)
     y, h = rms_norm(x, weight, residual=r)      # h = x + r (rounded as torch rounds it), y = rms_norm(h)
     y = linear(x, weight, bias=None)            # x: (..., K), weight: (N, K) bf16 CUDA, an (N, K) tuned at some M
+    y = linear(x8, w8, scale_x=sx, scale_weight=sw)  # fp8 e4m3 with per-tensor scales, as torch._scaled_mm
     c = matmul(a, b)                            # a: (M, K), b: (K, N): float32 at a tuned (M, N, K); bf16 as linear
     routes = patch(model)                       # a model's linear layers and norms, where tuned, in place
 
@@ -30,7 +31,7 @@ from mage_gen.ops import Op, get_op
 from mage_gen.ops.layernorm import MAX_ROWS
 
 # Looked up once: an eager call's checks and launch are a good part of its cost at small sizes.
-_Tensor, _float32, _bfloat16, _grad_enabled, _is_compiling = torch.Tensor, torch.float32, torch.bfloat16, torch.is_grad_enabled, torch.compiler.is_compiling
+_Tensor, _float32, _bfloat16, _float8, _grad_enabled, _is_compiling = torch.Tensor, torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.is_grad_enabled, torch.compiler.is_compiling
 _ACTIVATIONS = (torch.float32, torch.bfloat16, torch.float16)  # what a norm's x may be
 _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # A CPU-only torch has neither, and no CUDA tensor that could reach a launch.
@@ -311,24 +312,38 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _matmul_op(a, b)
 
 
-def _check_gemm(fn: str, m: int, n: int, k: int, b_layout: str) -> None:
+def _check_gemm(fn: str, m: int, n: int, k: int, b_layout: str, precision: str = "bf16") -> None:
     """Refuse what the Hopper kernel cannot take, before anything reaches the GPU."""
     # TMA reads rows that start on 16 bytes: a contiguous tensor's rows are K (for a K×N b, N) elements apart
+    per = 16 if precision == "e4m3" else 8
     for name, size in (("K", k),) + ((("N", n),) if b_layout == "kn" else ()):
-        if size % 8:
-            raise LaunchError(f"{fn}: {name} = {size} is not a multiple of 8, and the kernel reads rows of 16 bytes "
-                              f"(TMA); pad {name} to a multiple of 8 with zeros, or use torch for this layer")
+        if size % per:
+            raise LaunchError(f"{fn}: {name} = {size} is not a multiple of {per}, and the kernel reads rows of 16 bytes "
+                              f"(TMA); pad {name} to a multiple of {per} with zeros, or use torch for this layer")
     try:
-        _GEMM.shape(m=m, n=n, k=k, b_layout=b_layout)
+        _GEMM.shape(m=m, n=n, k=k, b_layout=b_layout, precision=precision)
     except ConfigError as exc:
         raise LaunchError(f"{fn}: {exc}") from None
 
 
-def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, int]:
-    """(M, N, K) of F.linear(x, weight, bias) for the Hopper kernel, or an error naming the argument."""
+def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  scale_x: torch.Tensor | None = None, scale_weight: torch.Tensor | None = None) -> tuple[int, int, int]:
+    """(M, N, K) of F.linear(x, weight, bias) (fp8: scaled) for the Hopper kernel, or an error naming the argument."""
     fn = _GEMM.torch_name
-    _check_tensor(fn, "x", x, dtypes=(_bfloat16,))
-    _check_tensor(fn, "weight", weight, x.device, dtypes=(_bfloat16,))
+    _check_tensor(fn, "x", x, dtypes=(_bfloat16, _float8))
+    _check_tensor(fn, "weight", weight, x.device, dtypes=(x.dtype,))
+    fp8 = x.dtype is _float8
+    for name, scale in (("scale_x", scale_x), ("scale_weight", scale_weight)):
+        if not fp8:
+            if scale is not None:
+                raise LaunchError(f"{fn}: {name} scales an fp8 product; x is {x.dtype}, so give no scales")
+            continue
+        if scale is None:
+            raise LaunchError(f"{fn}: an fp8 x and weight need scale_x and scale_weight (one float32 each, as "
+                              f"torch._scaled_mm takes them); {name} is missing")
+        _check_tensor(fn, name, scale, x.device)
+        if scale.numel() != 1:
+            raise LaunchError(f"{fn}: {name} is one float32 (a per-tensor scale), got shape {tuple(scale.shape)}")
     if x.dim() < 1 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise LaunchError(f"{fn}: x must be (..., K) and weight (N, K), got {tuple(x.shape)} and "
                           f"{tuple(weight.shape)}")
@@ -341,54 +356,63 @@ def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise LaunchError(f"{fn}: weight {tuple(weight.shape)} is empty; N and K must be at least 1")
     m = x.numel() // k
     if m:
-        _check_gemm(fn, m, n, k, "nk")
+        _check_gemm(fn, m, n, k, "nk", "e4m3" if fp8 else "bf16")
     return m, n, k
 
 
 @torch.library.custom_op("mage_gen::linear", mutates_args=())
-def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return _linear_impl(x, weight, bias)
+def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+               scale_x: Optional[torch.Tensor] = None, scale_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return _linear_impl(x, weight, bias, scale_x, scale_weight)
 
 
 @_linear_op.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    _check_linear(x, weight, bias)
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+def _(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], scale_x: Optional[torch.Tensor] = None,
+      scale_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    _check_linear(x, weight, bias, scale_x, scale_weight)
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=_bfloat16)
 
 
-def _linear_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    m, n, k = _check_linear(x, weight, bias)
-    y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+def _linear_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale_x: torch.Tensor | None = None,
+                 scale_weight: torch.Tensor | None = None) -> torch.Tensor:
+    m, n, k = _check_linear(x, weight, bias, scale_x, scale_weight)
+    y = torch.empty((*x.shape[:-1], n), dtype=_bfloat16, device=x.device)  # bf16 whatever x is, as _scaled_mm's
     if m:
-        _gemm(x.get_device(), y, x, weight, m, n, k, "nk")
+        scales = () if scale_x is None else (scale_x, scale_weight)
+        _gemm(x.get_device(), y, x, weight, m, n, k, "nk", scales)
         if bias is not None:
             y.add_(bias)  # a second kernel: the Hopper kernel's epilogue has no bias
     return y
 
 
 def _gemm(index: int, c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, m: int, n: int, k: int,
-          b_layout: str) -> None:
+          b_layout: str, scales: tuple[torch.Tensor, ...] = ()) -> None:
     fn = (_GEMM if b_layout == "nk" else _MATMUL).torch_name
     for name, t in ((("x", a), ("weight", b)) if b_layout == "nk" else (("a", a), ("b", b))):
         if t.data_ptr() % 16:  # named here as the caller knows it, before the runtime's check names the kernel's
             raise LaunchError(f"{fn}: {name} starts at {t.data_ptr():#x}, not on 16 bytes, where TMA reads rows "
                               f"from; pass {name}.clone() (a view into the middle of a tensor can start anywhere)")
-    key = (index, _GEMM.name, m, n, k, b_layout)
+    precision = "e4m3" if scales else "bf16"
+    key = (index, _GEMM.name, m, n, k, b_layout, precision)
     prepared = launches.get(key)
     if prepared is None:
-        prepared = launches[key] = _prepare(index, _GEMM.name, {"m": m, "n": n, "k": k, "b_layout": b_layout}, {},
-                                            tuned_only=True)
-    _launch(prepared, index, (c.data_ptr(), a.data_ptr(), b.data_ptr()))
+        prepared = launches[key] = _prepare(index, _GEMM.name, {"m": m, "n": n, "k": k, "b_layout": b_layout,
+                                                                 "precision": precision}, {}, tuned_only=True)
+    _launch(prepared, index, (c.data_ptr(), a.data_ptr(), b.data_ptr(), *(t.data_ptr() for t in scales)))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) in bfloat16 on Hopper's tensor cores (fp32 accumulation, one rounding to bf16):
-    x (..., K), weight (N, K) as nn.Linear keeps it, bias (N,) or None, all contiguous CUDA bf16, K a multiple of
-    8. The kernel is this GPU's entry tuned for (N, K) at the M (rows of x) nearest this one's, compiled for this
-    M on first use; an (N, K) tuned at no M is refused. bias is added by a second kernel."""
-    if is_eager(x, weight) and (bias is None or type(bias) is _Tensor):
-        return _linear_impl(x, weight, bias)
-    return _linear_op(x, weight, bias)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           scale_x: torch.Tensor | None = None, scale_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) on Hopper's tensor cores (fp32 accumulation, one rounding to bf16): x (..., K),
+    weight (N, K) as nn.Linear keeps it, bias (N,) bf16 or None, all contiguous CUDA. x and weight bf16 (K a multiple
+    of 8), or torch.float8_e4m3fn (K a multiple of 16) with scale_x and scale_weight, one float32 each: then
+    y = scale_x·scale_weight·x·weightᵀ in bf16, as torch._scaled_mm. The kernel is this GPU's entry tuned for (N, K)
+    at the M (rows of x) nearest this one's, compiled for this M on first use; an (N, K) tuned at no M is refused.
+    bias is added by a second kernel."""
+    if (is_eager(x, weight) and (bias is None or type(bias) is _Tensor)
+            and (scale_x is None or type(scale_x) is _Tensor) and (scale_weight is None or type(scale_weight) is _Tensor)):
+        return _linear_impl(x, weight, bias, scale_x, scale_weight)
+    return _linear_op(x, weight, bias, scale_x, scale_weight)
 
 
 def patch(model: torch.nn.Module, gpu_name: str | None = None) -> Any:

@@ -445,3 +445,36 @@ def test_a_patched_layer_compiled_by_inductor_matches_float32_and_fuses_its_add_
         ref = reference(*(a.float() for a in args))
     assert torch.ops.mage_gen.rms_norm_residual.default in seen and torch.ops.mage_gen.linear.default in seen
     assert relative_error(y, ref) <= TOLERANCE
+
+
+def test_an_e4m3_kernel_from_the_runtime_matches_float64_and_torch_scaled_mm():
+    """fp8 with per-tensor scales through runtime.Prepared (no e4m3 class is tuned yet): against the dequantized
+    product in float64 within the op's tolerance, and against torch._scaled_mm."""
+    from mage_gen import gpu, runtime
+    from mage_gen.dtypes import BFLOAT16
+    from mage_gen.variants import build
+
+    on_h200()
+    m, n, k = 100, 4096, 4096
+    shape = GEMM.shape(m=m, n=n, k=k, precision="e4m3")
+    for values in ({"bm": 64, "bn": 128, "consumers": 1, "stages": 8, "grid": 132},
+                   {"bm": 64, "bn": 128, "consumers": 1, "stages": 8, "split_k": 2, "grid": 132},
+                   {"bm": 128, "bn": 32, "consumers": 2, "schedule": "pingpong", "swap": True, "grid": 132}):
+        params = GEMM.params_from_dict(values)
+        variant = build(GEMM, shape, params, gpu.device_info(0).arch)
+        kernel = gpu.Kernel(variant.compiled.cubin, variant.source.kernel_name,
+                            GEMM.geometry(shape, params, {}).dynamic_shared_bytes)
+        prepared = runtime.Prepared(GEMM, shape, params, {}, kernel, variant.census)
+        g = torch.Generator(device="cuda").manual_seed(61)
+        x = (8 * torch.randn(m, k, device="cuda", generator=g)).to(torch.float8_e4m3fn)
+        w = (8 * torch.randn(n, k, device="cuda", generator=g)).to(torch.float8_e4m3fn)
+        sx, sw = torch.tensor([0.75], device="cuda"), torch.tensor([1.5], device="cuda")
+        y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        prepared.launch((y.data_ptr(), x.data_ptr(), w.data_ptr(), sx.data_ptr(), sw.data_ptr()),
+                        torch.cuda.current_stream().cuda_stream)
+        torch.cuda.synchronize()
+        ref = (x.double() @ w.double().T) * 0.75 * 1.5
+        tolerance = GEMM.tolerance_of(shape, "C", BFLOAT16)
+        assert relative_error(y, ref) <= tolerance, params.label()
+        theirs = torch._scaled_mm(x, w.t(), sx.reshape(()), sw.reshape(()), out_dtype=torch.bfloat16)
+        assert relative_error(y, theirs.double()) <= 2 * tolerance, params.label()

@@ -51,6 +51,19 @@ def test_a_gemm_whose_c_overlaps_a_or_b_is_refused_before_a_launch():
     assert "overlaps" not in str(info.value)
 
 
+def test_an_e4m3_gemm_takes_its_two_scales_and_a_bf16_one_none_refused_before_a_launch():
+    a, b, c = 0x100000, 0x900000, 0x4000000
+    with pytest.raises(LaunchError, match=r"^gemm_sm90: scale_a at 0x0 is not a device address aligned to 4 bytes"):
+        runtime.gemm(c, a, b, 16, 4096, 4096, precision="e4m3")
+    with pytest.raises(LaunchError, match=r"^gemm_sm90: scale_a and scale_b multiply an e4m3 product; a bf16 one"):
+        runtime.gemm(c, a, b, 16, 4096, 4096, scale_a=0x1000, scale_b=0x2000)
+    with pytest.raises(LaunchError, match=r"^gemm_sm90: precision: an e4m3 wgmma reads both operands K-major"):
+        runtime.gemm(c, a, b, 16, 4096, 4096, precision="e4m3", b_layout="kn", scale_a=0x1000, scale_b=0x2000)
+    # A: 16 rows of 4096 e4m3 codes, 64 KiB; a C right after it does not overlap, one byte earlier does
+    with pytest.raises(LaunchError, match=r"overlaps A \[0x100000, 0x110000\)"):
+        runtime.gemm(a + 0x10000 - 2, a, b, 16, 4096, 4096, precision="e4m3", scale_a=0x1000, scale_b=0x2000)
+
+
 def test_without_a_driver_the_raw_runtime_says_a_gpu_is_needed():
     try:
         from mage_gen import gpu
@@ -158,7 +171,7 @@ def bf16(*shape, device="cuda"):
 # What F.linear would take but the Hopper kernel cannot, each refused in one line before anything reaches a GPU
 # (the GPU tests run the same table on real tensors)
 BAD_LINEAR = [
-    (lambda: (fake(4, 64), bf16(32, 64), None), "x must be bfloat16, got torch.float32"),
+    (lambda: (fake(4, 64), bf16(32, 64), None), "x must be bfloat16 or float8_e4m3fn, got torch.float32"),
     (lambda: (bf16(4, 64), fake(32, 64, dtype=torch.float16), None), "weight must be bfloat16, got torch.float16"),
     (lambda: (bf16(4, 64), bf16(32, 64, device="cpu"), None), "weight must be on a CUDA device, got cpu"),
     (lambda: (bf16(4, 64), bf16(32, 48), None), r"x must be \(..., K\) and weight \(N, K\), got \(4, 64\) and \(32, 48\)"),
@@ -170,6 +183,45 @@ BAD_LINEAR = [
     (lambda: (bf16(4, 64), bf16(0, 64), None), r"weight \(0, 64\) is empty"),
     (lambda: (bf16(1 << 21, 8), bf16(32, 8), None), "m-range: m must be a whole number in 1..1048576"),
 ]
+
+
+F8 = torch.float8_e4m3fn
+
+
+def f8(*shape):
+    return fake(*shape, dtype=F8)
+
+
+def scale():
+    return fake(1)
+
+
+# fp8 x and weight: (x, weight, bias, scale_x, scale_weight)
+BAD_FP8_LINEAR = [
+    (lambda: (f8(4, 64), f8(32, 64), None, None, scale()), "an fp8 x and weight need scale_x and scale_weight"),
+    (lambda: (f8(4, 64), bf16(32, 64), None, scale(), scale()), "weight must be float8_e4m3fn, got torch.bfloat16"),
+    (lambda: (bf16(4, 64), bf16(32, 64), None, scale(), None), "scale_x scales an fp8 product; x is torch.bfloat16"),
+    (lambda: (f8(4, 64), f8(32, 64), None, fake(2), scale()), r"scale_x is one float32 \(a per-tensor scale\)"),
+    (lambda: (f8(4, 64), f8(32, 64), None, scale(), bf16(1)), "scale_weight must be float32, got torch.bfloat16"),
+    (lambda: (f8(4, 40), f8(32, 40), None, scale(), scale()), "K = 40 is not a multiple of 16"),
+]
+
+
+@pytest.mark.parametrize("make, message", BAD_FP8_LINEAR)
+def test_an_fp8_linear_refuses_what_the_kernel_cannot_take_in_one_line(make, message):
+    with FakeTensorMode():
+        x, weight, bias, scale_x, scale_weight = make()
+        for call in (lambda: mt.linear(x, weight, bias, scale_x=scale_x, scale_weight=scale_weight),
+                     lambda: torch.ops.mage_gen.linear(x, weight, bias, scale_x, scale_weight)):
+            with pytest.raises((LaunchError, TypeError), match="^mage_gen.torch.linear: " + message) as info:
+                call()
+            assert "\n" not in str(info.value)
+
+
+def test_an_fp8_linear_under_fake_tensors_gives_bf16():
+    with FakeTensorMode():
+        y = torch.ops.mage_gen.linear(f8(2, 3, 4096), f8(6144, 4096), None, scale(), scale())
+        assert y.shape == (2, 3, 6144) and y.dtype == BF16
 
 
 @pytest.mark.parametrize("make, message", BAD_LINEAR)
