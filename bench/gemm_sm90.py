@@ -43,6 +43,8 @@ NCU_KEPT = "sm__pipe_tensor_op_hmma_cycles_active."  # HMMA, HGMMA and QGMMA: th
 def mma_sync_subject(shape, inputs: dict[str, np.ndarray], device):
     """matmul_tc's tuned bf16 winner at the same M, N, K (B as K×N, C fp32), gated on these A and B, or the reason
     it is missing."""
+    if shape.precision != "bf16":
+        return None, f"matmul_tc has no {shape.precision} kernel"
     op = get_op("matmul_tc")
     tc_shape = op.shape(m=shape.m, n=shape.n, k=shape.k, precision="bf16")
     try:

@@ -445,8 +445,9 @@ def strided_bf16_gemm_peers(shape: Any, inputs: dict[str, np.ndarray], eps: floa
 
 
 def _scaled_mm_peers(shape: Any, tensor_of: Callable[[str, DType], Any], output_of: _Outputs) -> dict[str, Any]:
-    """C = scale_a·scale_b·A·Bᵀ by torch._scaled_mm over the same e4m3 A and B (their padded rows: A row-major, B
-    read as a column-major K×N), fast accumulation on (the tensor cores' own sums, as ours) and off."""
+    """C = scale_a·scale_b·A·Bᵀ by torch._scaled_mm (cuBLASLt: the family cublas, as for bf16) over the same e4m3 A
+    and B (their padded rows: A row-major, B read as a column-major K×N), fast accumulation on (the tensor cores' own
+    sums, as ours) and off, the faster one kept."""
     a = tensor_of("A", E4M3).view(torch.float8_e4m3fn)[:, :shape.k]
     b = tensor_of("B", E4M3).view(torch.float8_e4m3fn)[:, :shape.k].t()
     scale_a, scale_b = (tensor_of(name, FLOAT32).reshape(()) for name in ("scale_a", "scale_b"))
@@ -458,7 +459,7 @@ def _scaled_mm_peers(shape: Any, tensor_of: Callable[[str, DType], Any], output_
                                                  out=c)
         return go
 
-    return {"scaled_mm": [TorchSubject(f"scaled_mm/{'fast' if fast else 'exact'}",
+    return {"cublas": [TorchSubject(f"scaled_mm/{'fast' if fast else 'exact'}",
                                        run(output_of("C", (shape.m, shape.n), out_type), fast),
                                        {"fn": "torch._scaled_mm(A, B.t(), scale_a, scale_b)", "use_fast_accum": fast})
                           for fast in (True, False)],
