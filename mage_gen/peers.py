@@ -402,7 +402,7 @@ def strided_bf16_gemm_peers(shape: Any, inputs: dict[str, np.ndarray], eps: floa
     """cuBLAS through torch (C = A·Bᵀ as F.linear computes it, or A·B for a K×N B: bf16 A and B, fp32 sums, C in C's
     type) and Triton's tl.dot over its Hopper tiles, each reading the same A and B (their padded rows) and writing
     C's type. e4m3: torch._scaled_mm (cuBLASLt) with the per-tensor scales, with and without fast accumulation."""
-    if shape.precision == "e4m3":
+    if shape.precision != "bf16":
         return _scaled_mm_peers(shape, tensor_of, output_of)
     a_rows, b_rows = (tensor_of(name, BFLOAT16) for name in ("A", "B"))
     a = a_rows[:, :shape.k]
@@ -450,7 +450,11 @@ def _scaled_mm_peers(shape: Any, tensor_of: Callable[[str, DType], Any], output_
     sums, as ours) and off, the faster one kept."""
     a = tensor_of("A", E4M3).view(torch.float8_e4m3fn)[:, :shape.k]
     b = tensor_of("B", E4M3).view(torch.float8_e4m3fn)[:, :shape.k].t()
-    scale_a, scale_b = (tensor_of(name, FLOAT32).reshape(()) for name in ("scale_a", "scale_b"))
+    scale_a, scale_b = (tensor_of(name, FLOAT32) for name in ("scale_a", "scale_b"))
+    if shape.precision == "e4m3":
+        scale_a, scale_b = scale_a.reshape(()), scale_b.reshape(())
+    else:  # block scales as _scaled_mm takes them for a K×N B: (M, K/128) and (K/128, N/128); a torch without them
+        scale_b = scale_b.t()  # fails the run, and the peer is reported missing
     out_type = torch.bfloat16 if shape.c_dtype == "bf16" else torch.float32
 
     def run(c, fast: bool):

@@ -393,3 +393,27 @@ def test_e4m3_takes_b_n_by_k_and_its_tolerance_grows_as_the_root_of_k():
         OP.shape(m=64, n=64, k=64, precision="e4m3", b_layout="kn")
     small, large = (OP.tolerance_of(OP.shape(m=64, n=64, k=k, precision="e4m3"), "C", FLOAT32) for k in (256, 4096))
     assert large == pytest.approx(4 * small, rel=1e-3)
+
+
+@pytest.mark.parametrize("values", [{}, {"bn": 128}, {"bn": 32, "split_k": 2}, {"schedule": "pingpong", "consumers": 2},
+                                    {"epilogue": "tma"}])
+def test_e4m3_block_scales_are_applied_in_each_stages_promotion_bit_for_bit_on_the_interpreter(values):
+    """DeepGEMM's layout: A's scales per row and 128 of K, B's per 128×128 block; N = 300 spans three blocks."""
+    n = 136 if values.get("epilogue") == "tma" else 300
+    shape = OP.shape(m=17, n=n, k=300, precision="e4m3_block")
+    variant = build(OP, shape, OP.params_from_dict({**SMALL, "inflight": 0, **values}), "sm_90")
+    rng = np.random.default_rng(4)
+    inputs = _whole_e4m3(shape, rng)
+    assert inputs["scale_a"].shape == (17, 3) and inputs["scale_b"].shape == (-(-n // 128), 3)
+    for name in ("scale_a", "scale_b"):  # powers of two: every product exact
+        inputs[name][:] = 2.0 ** rng.integers(-2, 3, inputs[name].shape)
+    out = interp.launch_with(OP, shape, variant, {}, inputs)["C"]
+    assert np.array_equal(out.view(np.uint8), BFLOAT16.round(OP.reference(shape, inputs, {})["C"]).view(np.uint8))
+
+
+def test_block_scales_promote_a_stage_as_soon_as_it_is_done():
+    with pytest.raises(ConfigError, match="^block-scales: e4m3_block promotes each stage's sums when they are done"):
+        OP.validate(OP.shape(m=64, n=64, k=256, precision="e4m3_block"), OP.params_from_dict({"inflight": 1}))
+    with pytest.raises(ConfigError, match="^registers: 256 accumulators"):  # a stage's sums held apart: twice over
+        OP.validate(OP.shape(m=64, n=64, k=256, precision="e4m3_block"),
+                    OP.params_from_dict({"bm": 64, "bn": 256, "consumers": 1, "inflight": 0}))

@@ -4,7 +4,9 @@ C = A·Bᵀ with A M×K and B N×K (`b_layout` nk, an nn.Linear weight: both ope
 K×N (kn: B N-major, which wgmma reads through its transpose bit), bf16 in, fp32 accumulation, C bf16 or fp32,
 row-major. `precision` e4m3: A and B fp8 (K-major both, nk only), C = scale_a·scale_b·A·Bᵀ with two fp32 scales
 taken by pointer after B, as torch._scaled_mm takes them; a stage is still 128 bytes of K (128 elements), a wgmma
-k32. M, N and K are fixed when the kernel is generated. Rows of A and B are read by TMA, which
+k32. e4m3_block: scale_a holds a scale per row of A and 128 of K, scale_b one per 128×128 block of B (DeepGEMM's
+layout); each stage's sums are kept apart and added to C's times their row's and column block's scales (the
+promotion to fp32), which also keeps the tensor cores' narrower fp8 sums to 128 products. M, N and K are fixed when the kernel is generated. Rows of A and B are read by TMA, which
 needs each row to start on 16 bytes: a K that is not a multiple of 8 is taken with rows padded to the next
 multiple (the tensors' row stride, `lda`, says so), and past K, M and N a copy brings zeros, so tails cost
 nothing but the guards of C's stores.
@@ -47,8 +49,9 @@ from mage_gen.ops.base import (WAVES, Arg, LazyFunction, Launch, OpFamily, Rule,
                                params_from, public_params_from)
 from mage_gen.render import Source, render
 
-PRECISIONS = ("bf16", "e4m3")
-ELEMENTS = {"bf16": BFLOAT16, "e4m3": E4M3}  # what A and B hold, by precision
+PRECISIONS = ("bf16", "e4m3", "e4m3_block")
+ELEMENTS = {"bf16": BFLOAT16, "e4m3": E4M3, "e4m3_block": E4M3}  # what A and B hold, by precision
+SCALE_BLOCK = 128  # e4m3_block: a scale per row and 128 of K for A, per 128×128 block for B (DeepGEMM's layout)
 OUTPUTS = {"bf16": BFLOAT16, "fp32": FLOAT32}
 B_LAYOUTS = ("nk", "kn")  # B as N×K row-major (C = A·Bᵀ), or K×N (C = A·B)
 MAX_DIM = 1 << 20
@@ -266,6 +269,27 @@ def c_pairs(shape: Shape, p: Params) -> bool:
     return shape.n % 2 == 0 and not p.swap
 
 
+def _scale_shapes(shape: Shape) -> dict[str, tuple[int, ...]]:
+    """The scales' shapes: one each (e4m3), or per block (e4m3_block): A's (M, K/128), B's (N/128, K/128)."""
+    if shape.precision == "bf16":
+        return {}
+    if shape.precision == "e4m3":
+        return {"scale_a": (1,), "scale_b": (1,)}
+    blocks = -(-shape.k // SCALE_BLOCK)
+    return {"scale_a": (shape.m, blocks), "scale_b": (-(-shape.n // SCALE_BLOCK), blocks)}
+
+
+def _block_scaled(shape: Shape, a: np.ndarray, b: np.ndarray, scale_a: np.ndarray, scale_b: np.ndarray) -> np.ndarray:
+    """Σ over 128-deep blocks of K of A_blk·B_blkᵀ times A's row scale and B's block scale (their fp32 product)."""
+    c = np.zeros((shape.m, shape.n))
+    columns = np.arange(shape.n) // SCALE_BLOCK
+    for kb in range(-(-shape.k // SCALE_BLOCK)):
+        ks = slice(kb * SCALE_BLOCK, (kb + 1) * SCALE_BLOCK)
+        scale = (scale_a[:, kb][:, None].astype(np.float32) * scale_b[columns, kb][None, :].astype(np.float32))
+        c += (a[:, ks] @ b[:, ks].T) * scale.astype(np.float64)
+    return c
+
+
 def _shared_bytes(shape: Shape, p: Params) -> int:
     out = OUTPUTS[shape.c_dtype]
     staging = p.consumers * consumer_rows(p) * p.bn * out.itemsize if epilogue(shape, p) == "tma" else 0
@@ -286,7 +310,12 @@ _SHAPE_RULES = (
 
 def _register_room(s: Shape, p: Params) -> bool:
     budget = consumer_regs(p) if p.producer_regs else REGISTER_FILE // p.threads // 8 * 8
-    return _accumulators(p) + 40 <= min(budget, 255)
+    return _held(s, p) + 40 <= min(budget, 255)
+
+
+def _held(s: Shape, p: Params) -> int:
+    """Floats a consumer thread holds: its accumulators, twice over with block scales (a stage's sums apart)."""
+    return _accumulators(p) * (2 if s.precision == "e4m3_block" else 1)
 
 
 _RULES: tuple[Rule, ...] = (
@@ -326,7 +355,7 @@ _RULES: tuple[Rule, ...] = (
     Rule("registers", lambda s, p: p.producer_regs == 0 or (p.producer_regs % 8 == 0 and 24 <= p.producer_regs <= 256),
          lambda s, p: f"producer_regs is 0 (no setmaxnreg) or a multiple of 8 in 24..256, got {p.producer_regs}"),
     Rule("registers", _register_room,
-         lambda s, p: f"{_accumulators(p)} accumulators a consumer thread, and about 40 registers more, exceed the "
+         lambda s, p: f"{_held(s, p)} accumulators a consumer thread, and about 40 registers more, exceed the "
                       f"{consumer_regs(p) if p.producer_regs else REGISTER_FILE // p.threads // 8 * 8} it gets; use a "
                       "smaller tile or more consumers"),
     Rule("inflight", lambda s, p: p.inflight in (0, 1), lambda s, p: f"inflight is 0 or 1 wgmma groups, got {p.inflight}"),
@@ -335,6 +364,10 @@ _RULES: tuple[Rule, ...] = (
          lambda s, p: f"the TMA store writes C in boxes of 128 bytes of a row: bn={p.bn} {s.c_dtype} elements must be "
                       f"a multiple of {128 // OUTPUTS[s.c_dtype].itemsize}; use epilogue direct"),
     Rule("grid", lambda s, p: p.grid >= 0, lambda s, p: f"grid is a number of CTAs (0: one per tile), got {p.grid}"),
+    # block scales promote each stage's sums into C's as soon as its group is done, per row and column of a tile
+    Rule("block-scales", lambda s, p: s.precision != "e4m3_block" or (not p.swap and p.inflight == 0),
+         lambda s, p: f"e4m3_block promotes each stage's sums when they are done: it takes inflight 0 and no swap, got "
+                      f"inflight {p.inflight}" + (" and swap" if p.swap else "")),
     # swapped, C is stored transposed from registers, an element at a time (no TMA store), and no cluster shares a tile
     Rule("swap", lambda s, p: not p.swap or (s.b_layout == "nk" and p.epilogue == "direct" and p.cluster == 1),
          lambda s, p: "swap (Cᵀ = B·Aᵀ) takes B N×K (nk), epilogue direct and cluster 1, got "
@@ -374,7 +407,8 @@ class GemmSm90(OpFamily):
     torch_name = "mage_gen.torch.linear"
     class_dims = ("m",)  # a model calls a layer's (N, K) at every token count: its entries are classes over M
     field_help = {"m": "rows of A and C", "n": "columns of C", "k": "columns of A",
-                  "precision": "bf16, or e4m3 (fp8; C = scale_a·scale_b·A·Bᵀ, B N×K) (what A and B are; c_dtype is C's)",
+                  "precision": "bf16, e4m3 (fp8; C = scale_a·scale_b·A·Bᵀ, B N×K) or e4m3_block (fp8 with scales per "
+                               "1×128 of A and 128×128 of B) (what A and B are; c_dtype is C's)",
                   "c_dtype": "C's element type: bf16 or fp32",
                   "b_layout": "nk (B N×K, C = A·Bᵀ) or kn (B K×N, C = A·B)"}
 
@@ -498,7 +532,8 @@ class GemmSm90(OpFamily):
             CONSUMER_A_BYTES=consumer_rows(p) * ROW_BYTES, B_KN=shape.b_layout == "kn", B_BOXES=p.bn // 64,
             B_LBO=shape.bk * 128,  # a K×N B tile: from one box of 64 columns to the next
             # what A and B hold (wgmma's input type, the pointers' C type); e4m3 C is scaled by scale_a · scale_b
-            AB_PTX=shape.element.ptx, AB_TYPE=shape.element.c_type, SCALED=shape.precision == "e4m3",
+            AB_PTX=shape.element.ptx, AB_TYPE=shape.element.c_type, SCALED=shape.precision != "bf16",
+            BLOCK=shape.precision == "e4m3_block", N_BLOCKS=-(-shape.n // SCALE_BLOCK),
             C_STAGE_AT=p.stages * stage_bytes, C_STAGE_BYTES=c_stage, BARRIERS_AT=p.stages * stage_bytes + c_stage,
             C_BOX_COLS=128 // out.itemsize, C_BOX_BYTES=consumer_rows(p) * 128, C_BOXES=p.bn * out.itemsize // 128,
             C_TYPE=out.c_type, C_PTX=out.ptx, C_PAIRS=c_pairs(shape, p), SWAP=p.swap,
@@ -528,7 +563,7 @@ class GemmSm90(OpFamily):
     def args(self, shape: Shape) -> tuple[Arg, ...]:
         """C, A, B; e4m3 also scale_a and scale_b, one fp32 each (C = scale_a·scale_b·A·Bᵀ, as torch._scaled_mm)."""
         element = shape.element.name
-        scales = (Arg("scale_a", "in", "float32"), Arg("scale_b", "in", "float32")) if shape.precision == "e4m3" else ()
+        scales = (Arg("scale_a", "in", "float32"), Arg("scale_b", "in", "float32")) if shape.precision != "bf16" else ()
         return (Arg("C", "out", OUTPUTS[shape.c_dtype].name), Arg("A", "in", element), Arg("B", "in", element), *scales)
 
     def launch_args(self, shape: Shape, p: Params) -> tuple[Arg, ...]:
@@ -551,8 +586,9 @@ class GemmSm90(OpFamily):
 
         b = (shape.n, shape.k) if shape.b_layout == "nk" else (shape.k, shape.n)
         inputs = {"A": rows(shape.m, shape.k, shape.lda), "B": rows(*b, shape.ldb)}
-        if shape.precision == "e4m3":
-            inputs.update({name: rng.uniform(0.5, 2.0, 1).astype(np.float32) for name in ("scale_a", "scale_b")})
+        if shape.precision != "bf16":
+            inputs.update({name: rng.uniform(0.5, 2.0, size).astype(np.float32)
+                           for name, size in _scale_shapes(shape).items()})
         return inputs
 
     def output_shapes(self, shape: Shape, run: dict[str, int]) -> dict[str, tuple[int, ...]]:
@@ -565,12 +601,15 @@ class GemmSm90(OpFamily):
         """bf16: products exact in fp32, the sum's error at most about K·2⁻²⁴. e4m3: products exact too, but the
         tensor cores sum fp8 products in fewer bits than fp32 (about 14 kept, DeepGEMM's finding), a random walk of K
         such roundings: 2⁻¹³·√K. Then one rounding of C to bf16 (2⁻⁸ relative, twice for margin)."""
-        accumulation = (2.0**-13 * shape.k ** 0.5 if shape.precision == "e4m3" else 2.0**-24 * shape.k) + self.tolerance
+        accumulation = (2.0**-13 * shape.k ** 0.5 if shape.precision != "bf16" else 2.0**-24 * shape.k) + self.tolerance
         return accumulation + (2 * dtype.unit_roundoff if dtype.itemsize == 2 else 0.0)
 
     def reference(self, shape: Shape, inputs: dict[str, np.ndarray], scalars: dict[str, int | float]) -> dict[str, np.ndarray]:
         element = shape.element
         a = element.widen(inputs["A"][:, :shape.k]).astype(np.float64)
+        if shape.precision == "e4m3_block":
+            return {"C": _block_scaled(shape, a, element.widen(inputs["B"][:, :shape.k]).astype(np.float64),
+                                       inputs["scale_a"], inputs["scale_b"])}
         if shape.precision == "e4m3":  # the scales as the kernel applies them: their fp32 product
             a = a * float(np.float32(inputs["scale_a"][0]) * np.float32(inputs["scale_b"][0]))
         if shape.b_layout == "nk":
@@ -606,8 +645,11 @@ class GemmSm90(OpFamily):
                               "layout": f"row-major, contiguous, row stride {shape.n} elements",
                               "alignment_bytes": c_align},
                         "A": operand(shape.m, shape.k, shape.lda, "M×K"), "B": b,
-                        **{name: {"dtype": "float32", "shape": [1], "layout": "one value, multiplying C",
-                                  "alignment_bytes": 4} for name in ("scale_a", "scale_b") if shape.precision == "e4m3"}},
+                        **{name: {"dtype": "float32", "shape": list(size),
+                                  "layout": "one value, multiplying C" if size == (1,) else
+                                  f"row-major, a scale per {'row and' if name == 'scale_a' else '128 rows (of N) and'} "
+                                  f"{SCALE_BLOCK} of K", "alignment_bytes": 4}
+                           for name, size in _scale_shapes(shape).items()}},
             "aliasing": "C must not overlap A or B (no in-place use): every pointer is declared __restrict__",
             **(self._working(shape, p) if p.split_k > 1 else {}),
             "scalars": {},
