@@ -478,3 +478,33 @@ def test_an_e4m3_kernel_from_the_runtime_matches_float64_and_torch_scaled_mm():
         assert relative_error(y, ref) <= tolerance, params.label()
         theirs = torch._scaled_mm(x, w.t(), sx.reshape(()), sw.reshape(()), out_dtype=torch.bfloat16)
         assert relative_error(y, theirs.double()) <= 2 * tolerance, params.label()
+
+
+def test_an_e4m3_block_scaled_kernel_from_the_runtime_matches_float64():
+    """DeepGEMM's scales (A per row and 128 of K, B per 128×128 block) through runtime.Prepared, against the
+    dequantized product in float64 within the op's tolerance."""
+    from mage_gen import gpu, runtime
+    from mage_gen.dtypes import BFLOAT16
+    from mage_gen.variants import build
+
+    on_h200()
+    m, n, k = 200, 1024, 4096
+    shape = GEMM.shape(m=m, n=n, k=k, precision="e4m3_block")
+    params = GEMM.params_from_dict({"bm": 64, "bn": 128, "consumers": 1, "stages": 6, "inflight": 0, "grid": 132})
+    variant = build(GEMM, shape, params, gpu.device_info(0).arch)
+    kernel = gpu.Kernel(variant.compiled.cubin, variant.source.kernel_name,
+                        GEMM.geometry(shape, params, {}).dynamic_shared_bytes)
+    prepared = runtime.Prepared(GEMM, shape, params, {}, kernel, variant.census)
+    g = torch.Generator(device="cuda").manual_seed(71)
+    x = (8 * torch.randn(m, k, device="cuda", generator=g)).to(torch.float8_e4m3fn)
+    w = (8 * torch.randn(n, k, device="cuda", generator=g)).to(torch.float8_e4m3fn)
+    sx = torch.rand(m, k // 128, device="cuda", generator=g) + 0.5
+    sw = torch.rand(n // 128, k // 128, device="cuda", generator=g) + 0.5
+    y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    prepared.launch((y.data_ptr(), x.data_ptr(), w.data_ptr(), sx.data_ptr(), sw.data_ptr()),
+                    torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    xs = x.double().view(m, k // 128, 128) * sx.double()[:, :, None]
+    ws = w.double().view(n // 128, 128, k // 128, 128) * sw.double()[:, None, :, None]
+    ref = xs.reshape(m, k) @ ws.reshape(n, k).T
+    assert relative_error(y, ref) <= GEMM.tolerance_of(shape, "C", BFLOAT16)
