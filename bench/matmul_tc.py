@@ -30,7 +30,7 @@ from mage_gen.peers import make_peers
 from mage_gen.store import gpu_slug
 from mage_gen.variants import build
 
-from bench._common import parse_shape, product_params, provenance, timing_method, winner_params, write_result
+from bench._common import parse_shape, product_params, provenance, timing_method, write_result
 
 SHAPES = [(1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192), (4096, 512, 1024),
           (1000, 1000, 1000)]
@@ -92,7 +92,7 @@ def bench_one(op, shape, params, chosen: str, device) -> dict:
 
 def against_the_ceiling(rows: list[dict], device) -> dict | None:
     """Each precision's TFLOP/s at 4096³ as a share of mma.sync's own ceiling on this GPU, where
-    bench/mma_peak.py has measured it (3xTF32 counted as three tf32 products): how far the kernel is from what
+    bench/probes/mma_peak.py has measured it (3xTF32 counted as three tf32 products): how far the kernel is from what
     its instruction gives, beside how far the instruction is from cuBLAS."""
     path = Path("bench/results") / gpu_slug(device.name) / "mma_peak.json"
     if not path.is_file():

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import mage_gen
-from mage_gen.dtypes import dtype as element_type
 from mage_gen.dtypes import element as any_element
 from mage_gen.census import aligned_contract
 from mage_gen.compile import nvrtc_version

@@ -1,4 +1,4 @@
-"""The ceiling probes of bench/mma_peak.py and bench/probes/l2_read_peak.py (templates/probe/): each ends, on the
+"""The ceiling probes of bench/probes/mma_peak.py and bench/probes/l2_read_peak.py (templates/probe/): each ends, on the
 CPU interpreter, exactly where its bench's gate expects, so a probe that does less work than it is timed for
 fails here before it fails on a GPU."""
 
@@ -13,7 +13,7 @@ from mage_gen.render import render
 
 @pytest.mark.parametrize("dtype, k", [("bf16", 16), ("tf32", 8)])
 def test_the_mma_probe_sums_iters_times_k_products(dtype, k):
-    """bench/mma_peak.py: every C element equals iters · K · a · b (a and b the one value in every element)."""
+    """bench/probes/mma_peak.py: every C element equals iters · K · a · b (a and b the one value in every element)."""
     chains, iters, a, b = 3, 5, 2.0, 3.0
     kernel = compile_source(render("probe/mma_peak.cu.j2", {"THREADS": 32, "CHAINS": chains, "DTYPE": dtype}, "probe", None))
     assert sum(take_census(kernel).mma.values()) == chains

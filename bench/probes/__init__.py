@@ -1,2 +1,2 @@
 """One-question experiments, run from the repository root: `python -m bench.probes.<name>`. Each imports the
-shared helpers of bench (bench._common, bench._copy) and mage_gen, never another probe."""
+shared helpers of bench (bench._common) and mage_gen, never another probe."""

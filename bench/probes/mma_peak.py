@@ -9,7 +9,7 @@ cuBLAS at 4096³ (bf16; tf32; SGEMM with TF32 off) is timed in the same process,
 of cuBLAS mma.sync could reach at most, and the least time 3xTF32 (three tf32 mma per product) could take
 against SGEMM. Writes bench/results/<gpu>/mma_peak.json.
 
-    python -m bench.mma_peak
+    python -m bench.probes.mma_peak
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def main() -> None:
         print(f"{name}: {value:.3f}")
     doc = {
         "what": "mma.sync's ceiling on this GPU (a register-only probe) beside cuBLAS at 4096^3, recorded by "
-                "bench/mma_peak.py",
+                "bench/probes/mma_peak.py",
         "method": {"probe": f"{WARPS_PER_BLOCK} warps per block, {'/'.join(map(str, BLOCKS_PER_SM))} blocks per SM, "
                             f"CHAINS independent mma per warp per step, {ITERS} steps, fragments in registers",
                    "gate": "fresh random small-integer fragments, NaN-poisoned output, every element exact",
