@@ -5,19 +5,19 @@ interpreter, small configs compute C bit for bit at tails, drawn ones pass the g
 caught."""
 
 import dataclasses
-import random
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, reject, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from drawn import gate_a_drawn_gemm_on_the_interpreter  # tests/drawn.py
 from mage_gen import interp
 from mage_gen.dtypes import BFLOAT16, FLOAT32
 from mage_gen.errors import ConfigError
 from mage_gen.ops import get_op
 from mage_gen.ops.gemm_sm90 import consumer_regs, consumer_rows, hilbert_order
-from mage_gen.space import draw, expand, load_space
+from mage_gen.space import expand, load_space
 from mage_gen.variants import build, build_all
 
 OP = get_op("gemm_sm90")
@@ -293,17 +293,7 @@ def test_a_hang_names_each_warp_and_the_phase_it_waits_for():
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_drawn_small_configs_pass_the_gate_on_the_interpreter(data):
-    dims = st.integers(1, 200)
-    shape = OP.shape(m=data.draw(dims, label="m"), n=data.draw(dims, label="n"), k=data.draw(dims, label="k"),
-                     c_dtype=data.draw(st.sampled_from(["bf16", "fp32"]), label="c_dtype"),
-                     b_layout=data.draw(st.sampled_from(["nk", "kn"]), label="b_layout"))
-    space = load_space(OP, "full", shape).narrowed(bm=(64, 128), bn=(64, 128), cluster=(1,), multicast=("b",),
-                                                   grid=(0, 2, 3))
-    params = draw(OP, shape, space, random.Random(data.draw(st.integers(0, 2**32 - 1), label="params seed")))
-    if params is None:
-        reject()
-    result = interp.gate(OP, shape, build(OP, shape, params, "sm_90"), {}, np.random.default_rng(0))
-    assert result.passed, f"{params.label()} at {shape}: {result.reason}"
+    gate_a_drawn_gemm_on_the_interpreter(data, st.integers(1, 200))
 
 
 def test_the_waves_n_tile_is_worked_out_from_the_sm_count_and_the_shape():

@@ -6,15 +6,15 @@ zero for the next launch, and each planted bug of the reduction caught."""
 
 import dataclasses
 import json
-import random
 import re
 import shutil
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, reject, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from drawn import gate_a_drawn_gemm_on_the_interpreter  # tests/drawn.py
 from mage_gen import interp
 from mage_gen.dtypes import BFLOAT16
 from mage_gen.errors import ConfigError
@@ -22,7 +22,7 @@ from mage_gen.ops import get_op
 from mage_gen.ops.base import launch_args
 from mage_gen.ops.gemm_sm90 import counters, workspace_floats
 from mage_gen.resources import data_dir
-from mage_gen.space import draw, load_space
+from mage_gen.space import load_space
 from mage_gen.store import is_current
 from mage_gen.variants import build
 from test_gemm_sm90 import SMALL, _whole_numbers
@@ -215,17 +215,7 @@ def test_the_interpreter_gate_catches_each_planted_bug_of_the_reduction(plant, c
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_drawn_split_configs_pass_the_interpreters_gate(data):
-    dims = st.integers(1, 200)
-    shape = OP.shape(m=data.draw(dims, label="m"), n=data.draw(dims, label="n"), k=data.draw(st.integers(65, 400), label="k"),
-                     c_dtype=data.draw(st.sampled_from(["bf16", "fp32"]), label="c_dtype"),
-                     b_layout=data.draw(st.sampled_from(["nk", "kn"]), label="b_layout"))
-    space = load_space(OP, "full", shape).narrowed(bm=(64, 128), bn=(64, 128), cluster=(1,), multicast=("b",),
-                                                   grid=(0, 2, 3), split_k=(2, 3, 4))
-    params = draw(OP, shape, space, random.Random(data.draw(st.integers(0, 2**32 - 1), label="params seed")))
-    if params is None:
-        reject()
-    result = interp.gate(OP, shape, build(OP, shape, params, "sm_90"), {}, np.random.default_rng(0))
-    assert result.passed, f"{params.label()} at {shape}: {result.reason}"
+    gate_a_drawn_gemm_on_the_interpreter(data, st.integers(65, 400), split_k=(2, 3, 4))
 
 
 def test_inspect_lists_a_split_kernels_atomics_and_fences():
