@@ -94,7 +94,7 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(out.double() - ref.double()) / torch.linalg.vector_norm(ref.double()))
 
 
-def bench_tokens(name: str, tokens: int, device) -> dict:
+def bench_tokens(name: str, tokens: int) -> dict:
     make, d, head_dim = MODELS[name]
     torch.manual_seed(0)
     reference = make().cuda().eval()
@@ -156,7 +156,7 @@ def main() -> None:
     device = gpu.open_device()
     rows = []
     for tokens in args.tokens or TOKENS:
-        rows.append(bench_tokens(args.model, tokens, device))
+        rows.append(bench_tokens(args.model, tokens))
         doc = {"what": f"a {args.model} layer, bf16, forward, under CUDA graphs: eager, torch.compile (two modes) and "
                        "torch.compile after mage_gen.torch.patch, recorded by bench/decoder_layer.py",
                "method": {**timing_method(ROUNDS, PER_ROUND),

@@ -16,6 +16,7 @@ from collections import defaultdict
 
 from mage_gen import gpu
 from mage_gen.dispatch import CLASS_RULE, choose_class
+from mage_gen.errors import ConfigError
 from mage_gen.measure import Bench, interleave_rounds, pool_rounds
 from mage_gen.ops import get_op
 from mage_gen.peers import make_peers
@@ -49,7 +50,7 @@ def bench_m(op, device, n: int, k: int, m: int, classes: dict[int, object]) -> d
             name = "class m=" + "/".join(map(str, sorted(tuned_ms)))
             try:
                 op.validate(shape, params)
-            except Exception as exc:  # a class the rule passes over at this M
+            except ConfigError as exc:  # a class the rule passes over at this M
                 failed[name] = f"invalid at M={m}: {exc}"
                 continue
             variant = build(op, shape, params, device.arch)

@@ -177,25 +177,24 @@ def gemm(c: int, a: int, b: int, m: int, n: int, k: int, stream: int = 0, *, dev
     addresses of one fp32 each, as torch._scaled_mm. A split-K winner gets its workspace and counters from the
     runtime, one set per stream: launches on two streams at once never share them."""
     dims = {"m": m, "n": n, "k": k, "precision": precision, "c_dtype": c_dtype, "b_layout": b_layout}
-    item = _gemm_shape(m, n, k, precision, c_dtype, b_layout)  # before any call to the driver
+    shape = _gemm_shape(m, n, k, precision, c_dtype, b_layout)  # before any call to the driver
     if not (a and b and c) or (a | b) % TMA_ALIGNMENT:
         check_alignment("gemm_sm90", {"C": 1, "A": TMA_ALIGNMENT, "B": TMA_ALIGNMENT}, {"C": c, "A": a, "B": b})
     pointers = {"C": c, "A": a, "B": b}
-    if precision == "e4m3":
+    if precision != "bf16":  # fp8 products are scaled, per tensor or per block
         check_alignment("gemm_sm90", {"scale_a": 4, "scale_b": 4}, {"scale_a": scale_a, "scale_b": scale_b})
         pointers.update(scale_a=scale_a, scale_b=scale_b)
     elif scale_a or scale_b:
         raise LaunchError(f"gemm_sm90: scale_a and scale_b multiply an e4m3 product; a {precision} one takes none")
-    b_rows, b_cols = (n, k) if b_layout == "nk" else (k, n)
-    _check_disjoint(c, m * n * (4 if c_dtype == "fp32" else 2), a, _extent(m, k, item), b,
-                    _extent(b_rows, b_cols, item))
+    item = shape.element.itemsize
+    _check_disjoint(c, m * n * (4 if c_dtype == "fp32" else 2), a, _extent(m, k, shape.lda * item, item), b,
+                    _extent(shape.b_rows, k if b_layout == "nk" else n, shape.ldb * item, item))
     launch("gemm_sm90", dims, {}, pointers, {}, stream, device=device, tuned_only=True)
 
 
-def _extent(rows: int, cols: int, item: int = 2) -> int:
-    """Bytes a matrix of `item`-byte elements spans from its first element to past its last, rows padded to 16
-    bytes apart (TMA)."""
-    return (rows - 1) * (-(-cols * item // 16) * 16) + cols * item
+def _extent(rows: int, cols: int, row_bytes: int, item: int) -> int:
+    """Bytes a matrix of `item`-byte elements spans from its first element to past its last, rows `row_bytes` apart."""
+    return (rows - 1) * row_bytes + cols * item
 
 
 def _check_disjoint(c: int, c_bytes: int, a: int, a_bytes: int, b: int, b_bytes: int) -> None:
@@ -207,12 +206,11 @@ def _check_disjoint(c: int, c_bytes: int, a: int, a_bytes: int, b: int, b_bytes:
 
 
 @lru_cache(maxsize=256)
-def _gemm_shape(m: int, n: int, k: int, precision: str, c_dtype: str, b_layout: str) -> int:
-    """Refuse sizes, a precision, a C type or a B layout the kernel cannot take (checked once per shape: a refusal is
-    not kept); the bytes of A's and B's elements."""
+def _gemm_shape(m: int, n: int, k: int, precision: str, c_dtype: str, b_layout: str) -> Any:
+    """The op's shape, or a refusal of sizes, a precision, a C type or a B layout the kernel cannot take (checked
+    once per shape: a refusal is not kept)."""
     try:
-        return get_op("gemm_sm90").shape(m=m, n=n, k=k, precision=precision, c_dtype=c_dtype,
-                                         b_layout=b_layout).element.itemsize
+        return get_op("gemm_sm90").shape(m=m, n=n, k=k, precision=precision, c_dtype=c_dtype, b_layout=b_layout)
     except ConfigError as exc:
         raise LaunchError(f"gemm_sm90: {exc}") from None
 

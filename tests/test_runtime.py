@@ -64,6 +64,12 @@ def test_an_e4m3_gemm_takes_its_two_scales_and_a_bf16_one_none_refused_before_a_
         runtime.gemm(a + 0x10000 - 2, a, b, 16, 4096, 4096, precision="e4m3", scale_a=0x1000, scale_b=0x2000)
 
 
+def test_a_block_scaled_gemm_takes_its_scales_too():
+    a, b, c = 0x100000, 0x900000, 0x4000000
+    with pytest.raises(LaunchError, match=r"^gemm_sm90: scale_b at 0x0 is not a device address aligned to 4 bytes"):
+        runtime.gemm(c, a, b, 16, 4096, 4096, precision="e4m3_block", scale_a=0x1000)
+
+
 def test_without_a_driver_the_raw_runtime_says_a_gpu_is_needed():
     try:
         from mage_gen import gpu
