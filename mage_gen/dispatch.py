@@ -94,37 +94,41 @@ def choose_class(op: Op, shape: Any, tuned: dict[Any, Any]) -> tuple[Any, Any] |
         return None
     mine = vars(shape)  # every field, defaults too (shape_dict leaves them out)
     sizes = {name: mine[name] for name in op.class_dims}
-    usable = []
-    for other, params in tuned.items():
-        theirs = vars(other)
-        if any(theirs[k] != v for k, v in mine.items() if k not in sizes):
-            continue
-        try:
-            op.validate(shape, params)
-        except ConfigError:
-            continue
-        at = {name: theirs[name] for name in sizes}
-        usable.append(((_distance(sizes, at), [-at[name] for name in op.class_dims]), other, params))
-    if not usable:
-        return None
-    _, other, params = min(usable, key=lambda u: u[0])
-    return other, params
+
+    def rank(other: Any) -> tuple:
+        at = {name: vars(other)[name] for name in sizes}
+        return _distance(sizes, at), [-at[name] for name in op.class_dims]  # the larger on a tie
+
+    return _nearest(op, shape, tuned, lambda other: all(vars(other)[k] == v for k, v in mine.items() if k not in sizes),
+                    rank)
 
 
 def nearest_shape(op: Op, shape: Any, tuned: dict[Any, Any]) -> tuple[Any, Any] | None:
     """(tuned shape, its params) nearest to `shape` on a log scale among those whose params are valid for
     `shape`, or None. `tuned` maps each tuned shape to its params."""
+    mine = shape_dict(shape)
+
+    def rank(other: Any) -> tuple:
+        theirs = shape_dict(other)
+        return _distance(_sizes(mine), _sizes(theirs)), sorted(theirs.items())
+
+    # another dtype or form is another function, not a nearby size
+    return _nearest(op, shape, tuned, lambda other: _kinds(shape_dict(other)) == _kinds(mine), rank)
+
+
+def _nearest(op: Op, shape: Any, tuned: dict[Any, Any], comparable: Any, rank: Any) -> tuple[Any, Any] | None:
+    """(tuned shape, its params) of the least rank among the tuned shapes comparable to `shape` whose params are
+    valid for it, or None."""
     usable = []
     for other, params in tuned.items():
+        if not comparable(other):
+            continue
         try:
             op.validate(shape, params)
         except ConfigError:
             continue
-        mine, theirs = shape_dict(shape), shape_dict(other)
-        if _kinds(mine) != _kinds(theirs):  # another dtype or form is another function, not a nearby size
-            continue
-        usable.append((_distance(_sizes(mine), _sizes(theirs)), sorted(theirs.items()), other, params))
+        usable.append((rank(other), other, params))
     if not usable:
         return None
-    _, _, other, params = min(usable, key=lambda u: (u[0], u[1]))
+    _, other, params = min(usable, key=lambda u: u[0])
     return other, params
