@@ -94,7 +94,7 @@ def _mma_shape(dtype: str) -> str:
     return _MMA_SHAPES[dtype]
 
 
-_WGMMA_K = {"bf16": 16, "f16": 16, "e4m3": 32, "e5m2": 32}  # K of one wgmma: 32 bytes of each input's rows
+_WGMMA_K = {"bf16": 16, "f16": 16, "e4m3": 32}  # K of one wgmma: 32 bytes of each input's rows
 
 
 def _wgmma_shape(accumulators: int, dtype: str) -> str:
