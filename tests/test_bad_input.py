@@ -7,7 +7,6 @@ and compares every file under tmp_path, path and bytes, before and after the com
 
 import json
 import os
-import re
 import subprocess
 import sys
 from collections.abc import Callable

@@ -1,15 +1,14 @@
 """On the GPU: the Hopper GEMM. Every stored winner, and drawn configs, match the float64 reference at tails
 (M, N, K ≡ 1 mod 8, K not a multiple of 64), split K too, the same bits every launch, with its counters left zero;
-the gate rejects a wrong swizzle and a wrong stride byte offset; a
-wait on the wrong phase is reported as a hang and the next trial runs; a C++ program built from the emitted .h
-and .cubin alone computes C. Skipped without a CUDA driver."""
+swapped operands and fp8 (per-tensor and block scales) match it at tails too; the gate rejects a wrong swizzle and a
+wrong stride byte offset; a wait on the wrong phase is reported as a hang and the next trial runs; a C++ program
+built from the emitted .h and .cubin alone computes C. Skipped without a CUDA driver."""
 
 import dataclasses
 import functools
 import random
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, reject, settings
@@ -172,6 +171,30 @@ def test_split_k_at_m_16_is_timed_through_a_captured_graph(device):
                                                       cold_count=5)
     assert evaluation.gate.passed, evaluation.gate.reason
     assert evaluation.hot is not None and evaluation.hot.median_us > 0
+
+
+# Swapped operands and fp8 (per-tensor and block scales): the gate's random inputs against float64 within the
+# tolerance e4m3's precision and K give (ops/gemm_sm90.py tolerance_of), at each tail shape
+SWAPPED_AND_FP8 = [("bf16", {"bm": 64, "bn": 16, "consumers": 1, "swap": True}),
+                   ("bf16", {"bm": 64, "bn": 32, "consumers": 1, "swap": True, "split_k": 2}),
+                   ("bf16", {"bm": 128, "bn": 16, "schedule": "pingpong", "swap": True}),
+                   ("e4m3", {}),
+                   ("e4m3", {"bm": 64, "bn": 32, "consumers": 1, "split_k": 2}),
+                   ("e4m3", {"bm": 64, "bn": 16, "consumers": 1, "swap": True}),
+                   ("e4m3", {"schedule": "pingpong", "epilogue": "tma"}),
+                   ("e4m3_block", {"inflight": 0}),
+                   ("e4m3_block", {"bm": 64, "bn": 128, "consumers": 1, "inflight": 0, "split_k": 2})]
+
+
+@pytest.mark.parametrize("precision, values", SWAPPED_AND_FP8,
+                         ids=lambda v: v if isinstance(v, str) else ",".join(f"{k}={x}" for k, x in v.items()) or "-")
+@pytest.mark.parametrize("m, n, k", TAILS)
+def test_swapped_and_fp8_products_match_the_float64_reference_at_tails(device, stream, precision, values, m, n, k):
+    shape = OP.shape(m=m, n=n, k=k, precision=precision)
+    params = OP.params_from_dict({"grid": device.sms, **values})
+    OP.validate(shape, params)
+    result = gate_on_gpu(OP, device, stream, shape, params)
+    assert result.passed, f"{params.label()} at {shape}: {result.reason}"
 
 
 @pytest.mark.parametrize("plant", ["swizzle", "sbo"])

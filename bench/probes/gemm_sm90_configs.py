@@ -42,7 +42,7 @@ def parse_config(text: str) -> dict:
     values = {}
     for pair in filter(None, text.split(",")):
         key, _, raw = pair.partition("=")
-        values[key] = int(raw) if raw.lstrip("-").isdigit() else raw
+        values[key] = int(raw) if raw.lstrip("-").isdigit() else {"true": True, "false": False}.get(raw, raw)
     return values
 
 
@@ -50,6 +50,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", action="append", required=True, help="MxNxK[:C] (C's element type, bf16 or fp32)")
     parser.add_argument("--config", action="append", default=[], help="KEY=VALUE,... of one config (repeatable)")
+    parser.add_argument("--precision", choices=("bf16", "e4m3", "e4m3_block"), default="bf16",
+                        help="A and B: bf16, or e4m3 with per-tensor or block scales (cuBLAS is then torch._scaled_mm)")
     parser.add_argument("--gate-only", action="store_true")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--per-round", type=int, default=5)
@@ -63,7 +65,7 @@ def main() -> None:
     for text in args.shape:
         dims, _, out = text.partition(":")
         m, n, k = (int(v) for v in dims.split("x"))
-        shape = op.shape(m=m, n=n, k=k, c_dtype=out or "bf16")
+        shape = op.shape(m=m, n=n, k=k, c_dtype=out or "bf16", precision=args.precision)
         bench = Bench(op, shape, {}, seed=m + n + k)
         subjects, labels = [], {}
         for config in args.config or [""]:
@@ -98,6 +100,7 @@ def main() -> None:
                    "registers": census.registers, "spill_bytes": census.spill_bytes, "compile_s": built}
             rows.append(row)
             print(f"{text} {params.label():50} gate {'ok' if result.passed else 'FAILED'} err {result.worst_error:.3g} "
+                  f"(tolerance {op.tolerance_of(shape, 'C', op.output_dtypes(shape)['C']):.3g}) "
                   f"regs {census.registers} spill {census.spill_bytes} {result.reason}", flush=True)
             if subject is not None:
                 if args.gate_only:
