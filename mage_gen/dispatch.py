@@ -16,6 +16,7 @@ from typing import Any
 from mage_gen.errors import ConfigError
 from mage_gen.ops import Op
 from mage_gen.ops.base import shape_dict
+from mage_gen.timing import Timing, by_objective
 
 RULE = ("the entries on the launch's side of the L2 size first (the bytes a launch must move at most the "
         "GPU's L2: L2-resident; more: DRAM-bound), of those the one tuned at the nearest run size on a log "
@@ -23,6 +24,9 @@ RULE = ("the entries on the launch's side of the L2 size first (the bytes a laun
 CLASS_RULE = ("of the entries equal to the launch's shape in every field but the class dims (gemm_sm90: the same "
               "N, K, precision, C type and B layout), whose params are valid for its sizes, the one tuned at the "
               "nearest class sizes on a log scale (the larger on a tie); none: the shape is untuned")
+PEER_RULE = ("mage_gen.torch's bf16 products (linear, matmul) call torch's own (cuBLAS) instead of the kernel where "
+             "the entry serving the launch was timed slower than cuBLAS in its tune's final round, by the tune's "
+             "objective (hot, cold, or the geometric mean of both)")
 # --m auto: the L2-resident size fills at most this share of the L2, the DRAM-bound one at least this many L2s,
 # so that neither sits near the boundary where hot and cold timings blur.
 AUTO_L2_SHARE = 0.5
@@ -85,6 +89,18 @@ def auto_runs(op: Op, shape: Any, l2_bytes: int) -> list[dict[str, int]]:
     for run in runs:
         op.check_run(run)
     return runs
+
+
+def peer_faster(entry: dict[str, Any], peer: str = "cublas") -> bool:
+    """Whether `peer` ran faster than the entry's winner in the tune's final round, by the tune's objective
+    (PEER_RULE); an entry without both timings says no."""
+    try:
+        objective = entry["objective"]
+        ours, theirs = (by_objective(Timing.from_dict(t["hot"]), Timing.from_dict(t["cold"]), objective)
+                        for t in (entry["timings"], entry["peers"][peer]))
+    except (KeyError, TypeError, ValueError):
+        return False
+    return theirs.median_us < ours.median_us
 
 
 def choose_class(op: Op, shape: Any, tuned: dict[Any, Any]) -> tuple[Any, Any] | None:

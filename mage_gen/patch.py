@@ -5,7 +5,8 @@ mage_gen.torch where the kernel takes the input, torch's own function where it d
 non-contiguous tensor, autograd). Only layers with an entry tuned on this GPU are routed, so a routed layer runs a
 measured winner, never a default config:
 
-- nn.Linear in bf16 whose weight (N, K) has a gemm_sm90 entry at some M (K a multiple of 8) -> mage_gen.torch.linear
+- nn.Linear in bf16 whose weight (N, K) has a gemm_sm90 entry at some M (K a multiple of 8) -> mage_gen.torch.linear,
+  which calls cuBLAS at an M whose serving entry's tune timed cuBLAS faster (dispatch.PEER_RULE)
 - nn.RMSNorm, nn.LayerNorm over their last dimension, and RMSNorm modules of the Hugging Face kind (a class named
   *RMSNorm with a 1-D weight and `variance_epsilon` or `eps`), whose d has a tuned norm entry -> mage_gen.torch's
 
@@ -41,7 +42,8 @@ def _routable(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
 
 
 class Linear(nn.Module):
-    """nn.Linear whose forward is mage_gen.torch.linear for bf16 CUDA input."""
+    """nn.Linear whose forward is mage_gen.torch.linear for bf16 CUDA input, and cuBLAS at an M whose serving entry's
+    tune timed cuBLAS faster (dispatch.PEER_RULE): a patched model is never handed a kernel its tune saw lose."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -50,7 +52,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype is _BF16 and _routable(x, self.weight, self.bias):
-            return mt.linear(x, self.weight, self.bias)
+            return mt.linear(x, self.weight, self.bias, cublas_where_faster=True)
         return F.linear(x, self.weight, self.bias)
 
 

@@ -31,7 +31,7 @@ from mage_gen.census import Census, aligned_contract
 from mage_gen.errors import ConfigError, LaunchError, StoreError
 from mage_gen.ops import OPS, Op, get_op
 from mage_gen.ops.base import WORKING_KINDS, TensorMapSpec, launch_args, shape_dict, tensor_maps
-from mage_gen.store import load_winners, pick_winner, store_file, tuned_dirs, tuned_shapes
+from mage_gen.store import load_entry, load_winners, pick_winner, store_file, tuned_dirs, tuned_shapes
 from mage_gen.variants import build
 
 # Each op's default_candidates, by name, read-only: the ops declare them
@@ -50,9 +50,11 @@ class Prepared:
     (after its other arguments, by value) gets each encoded from the address of the tensor it maps: the shape is
     fixed, so only the address changes, and the bytes are kept by (map, address) for the next launch."""
 
-    def __init__(self, op: Op, shape: Any, params: Any, run: dict[str, int], kernel: gpu.Kernel, census: Census):
+    def __init__(self, op: Op, shape: Any, params: Any, run: dict[str, int], kernel: gpu.Kernel, census: Census,
+                 cublas_faster: bool = False):
         geometry = op.geometry(shape, params, run)
         self.op_name = op.name
+        self.cublas_faster = cublas_faster  # the serving entry's tune timed cuBLAS faster (dispatch.PEER_RULE)
         self.arg_names = tuple(a.name for a in op.args(shape))
         pointers = [a.name for a in op.args(shape) if a.kind in ("in", "out")]
         if list(self.arg_names[:len(pointers)]) != pointers:
@@ -256,7 +258,7 @@ def _prepare(op: Op, dims: dict[str, Any], run: dict[str, int], context: int, tu
     except ConfigError as exc:
         raise LaunchError(f"{op.name}: {exc}") from None
     device = gpu.device_info(gpu.current_device())
-    params = choose(op, shape, run, device, tuned_only)
+    params, entry = choose(op, shape, run, device, tuned_only)
     try:  # for the target the op's instructions need (gemm_sm90: sm_90a), or refused where the GPU lacks them
         variant = build(op, shape, params, device.arch)
     except ConfigError as exc:
@@ -266,12 +268,15 @@ def _prepare(op: Op, dims: dict[str, Any], run: dict[str, int], context: int, tu
     if kernel is None:
         kernel = _modules[(context, compiled.key)] = gpu.Kernel(
             compiled.cubin, compiled.kernel_name, op.geometry(shape, params, run).dynamic_shared_bytes)
-    return Prepared(op, shape, params, run, kernel, variant.census)
+    return Prepared(op, shape, params, run, kernel, variant.census,
+                    cublas_faster=entry is not None and dispatch.peer_faster(entry))
 
 
-def choose(op: Op, shape: Any, run: dict[str, int], device: gpu.DeviceInfo, tuned_only: bool) -> Any:
-    """The params of the tuned class dispatch.RULE picks; for a shape with no entry of its own, of the entry
-    dispatch.CLASS_RULE picks where the op has class dims; else of a default config (warned about once)."""
+def choose(op: Op, shape: Any, run: dict[str, int], device: gpu.DeviceInfo,
+           tuned_only: bool) -> tuple[Any, dict[str, Any] | None]:
+    """(params, the tuned/ entry they come from) of the tuned class dispatch.RULE picks; for a shape with no entry of
+    its own, of the entry dispatch.CLASS_RULE picks where the op has class dims; else a default config's, with no
+    entry (warned about once)."""
     why = ""
     for folder in tuned_dirs():
         if not store_file(op.name, device.name, folder).exists():
@@ -282,9 +287,10 @@ def choose(op: Op, shape: Any, run: dict[str, int], device: gpu.DeviceInfo, tune
             why = str(exc)
             served = dispatch.choose_class(op, shape, tuned_shapes(op, device.name, folder))
             if served is not None:
-                return served[1]
+                return served[1], load_entry(op.name, device.name, op.shape_key(served[0]), directory=folder)
             continue
-        return pick_winner(op, shape, winners, run, device.l2_bytes).params
+        winner = pick_winner(op, shape, winners, run, device.l2_bytes)
+        return winner.params, winner.entry
     if tuned_only and op.class_dims:
         from mage_gen.emit import shape_arguments  # only on this error: the runtime imports what a launch needs
 
@@ -302,7 +308,7 @@ def choose(op: Op, shape: Any, run: dict[str, int], device: gpu.DeviceInfo, tune
         warnings.warn(f"mage-gen: no tuned {op.name} kernel for {shape_dict(shape)} on {device.name} "
                       f"({why or 'none stored'}); running the default config {op.params_to_dict(params)}, "
                       "compiled once and cached: tune it for a measured winner", UntunedKernelWarning, stacklevel=5)
-    return params
+    return params, None
 
 
 def _default_params(op: Op, shape: Any) -> Any:

@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as _F
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from mage_gen import gpu, runtime
@@ -293,7 +294,7 @@ def _matmul_impl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     c = torch.empty((m, n), dtype=a.dtype, device=a.device)
     index = a.get_device()
     if a.dtype is _bfloat16:
-        _gemm(index, c, a, b, m, n, k, "kn")
+        _gemm(index, _gemm_launch(index, m, n, k, "kn", "bf16"), c, a, b, "kn")
         return c
     prepared = launches.get((index, _MATMUL.name, m, n, k))
     if prepared is None:
@@ -362,57 +363,66 @@ def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 @torch.library.custom_op("mage_gen::linear", mutates_args=())
 def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-               scale_x: Optional[torch.Tensor] = None, scale_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
-    return _linear_impl(x, weight, bias, scale_x, scale_weight)
+               scale_x: Optional[torch.Tensor] = None, scale_weight: Optional[torch.Tensor] = None,
+               cublas_where_faster: bool = False) -> torch.Tensor:
+    return _linear_impl(x, weight, bias, scale_x, scale_weight, cublas_where_faster)
 
 
 @_linear_op.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], scale_x: Optional[torch.Tensor] = None,
-      scale_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+      scale_weight: Optional[torch.Tensor] = None, cublas_where_faster: bool = False) -> torch.Tensor:
     _check_linear(x, weight, bias, scale_x, scale_weight)
     return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=_bfloat16)
 
 
 def _linear_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale_x: torch.Tensor | None = None,
-                 scale_weight: torch.Tensor | None = None) -> torch.Tensor:
+                 scale_weight: torch.Tensor | None = None, cublas_where_faster: bool = False) -> torch.Tensor:
     m, n, k = _check_linear(x, weight, bias, scale_x, scale_weight)
     y = torch.empty((*x.shape[:-1], n), dtype=_bfloat16, device=x.device)  # bf16 whatever x is, as _scaled_mm's
     if m:
-        scales = () if scale_x is None else (scale_x, scale_weight)
-        _gemm(x.get_device(), y, x, weight, m, n, k, "nk", scales)
+        index, scales = x.get_device(), () if scale_x is None else (scale_x, scale_weight)
+        prepared = _gemm_launch(index, m, n, k, "nk", "e4m3" if scales else "bf16")
+        if cublas_where_faster and prepared.cublas_faster and not scales:  # dispatch.PEER_RULE
+            return _F.linear(x, weight, bias)
+        _gemm(index, prepared, y, x, weight, "nk", scales)
         if bias is not None:
             y.add_(bias)  # a second kernel: the Hopper kernel's epilogue has no bias
     return y
 
 
-def _gemm(index: int, c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, m: int, n: int, k: int,
-          b_layout: str, scales: tuple[torch.Tensor, ...] = ()) -> None:
-    fn = (_GEMM if b_layout == "nk" else _MATMUL).torch_name
-    for name, t in ((("x", a), ("weight", b)) if b_layout == "nk" else (("a", a), ("b", b))):
-        if t.data_ptr() % 16:  # named here as the caller knows it, before the runtime's check names the kernel's
-            raise LaunchError(f"{fn}: {name} starts at {t.data_ptr():#x}, not on 16 bytes, where TMA reads rows "
-                              f"from; pass {name}.clone() (a view into the middle of a tensor can start anywhere)")
-    precision = "e4m3" if scales else "bf16"
+def _gemm_launch(index: int, m: int, n: int, k: int, b_layout: str, precision: str) -> runtime.Prepared:
     key = (index, _GEMM.name, m, n, k, b_layout, precision)
     prepared = launches.get(key)
     if prepared is None:
         prepared = launches[key] = _prepare(index, _GEMM.name, {"m": m, "n": n, "k": k, "b_layout": b_layout,
                                                                  "precision": precision}, {}, tuned_only=True)
+    return prepared
+
+
+def _gemm(index: int, prepared: runtime.Prepared, c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, b_layout: str,
+          scales: tuple[torch.Tensor, ...] = ()) -> None:
+    fn = (_GEMM if b_layout == "nk" else _MATMUL).torch_name
+    for name, t in ((("x", a), ("weight", b)) if b_layout == "nk" else (("a", a), ("b", b))):
+        if t.data_ptr() % 16:  # named here as the caller knows it, before the runtime's check names the kernel's
+            raise LaunchError(f"{fn}: {name} starts at {t.data_ptr():#x}, not on 16 bytes, where TMA reads rows "
+                              f"from; pass {name}.clone() (a view into the middle of a tensor can start anywhere)")
     _launch(prepared, index, (c.data_ptr(), a.data_ptr(), b.data_ptr(), *(t.data_ptr() for t in scales)))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           scale_x: torch.Tensor | None = None, scale_weight: torch.Tensor | None = None) -> torch.Tensor:
+           scale_x: torch.Tensor | None = None, scale_weight: torch.Tensor | None = None,
+           cublas_where_faster: bool = False) -> torch.Tensor:
     """F.linear(x, weight, bias) on Hopper's tensor cores (fp32 accumulation, one rounding to bf16): x (..., K),
     weight (N, K) as nn.Linear keeps it, bias (N,) bf16 or None, all contiguous CUDA. x and weight bf16 (K a multiple
     of 8), or torch.float8_e4m3fn (K a multiple of 16) with scale_x and scale_weight, one float32 each: then
     y = scale_x·scale_weight·x·weightᵀ in bf16, as torch._scaled_mm. The kernel is this GPU's entry tuned for (N, K)
     at the M (rows of x) nearest this one's, compiled for this M on first use; an (N, K) tuned at no M is refused.
-    bias is added by a second kernel."""
+    bias is added by a second kernel. cublas_where_faster: a bf16 product at an M whose serving entry's tune timed
+    cuBLAS faster calls F.linear instead (dispatch.PEER_RULE), as a patched model does."""
     if (is_eager(x, weight) and (bias is None or type(bias) is _Tensor)
             and (scale_x is None or type(scale_x) is _Tensor) and (scale_weight is None or type(scale_weight) is _Tensor)):
-        return _linear_impl(x, weight, bias, scale_x, scale_weight)
-    return _linear_op(x, weight, bias, scale_x, scale_weight)
+        return _linear_impl(x, weight, bias, scale_x, scale_weight, cublas_where_faster)
+    return _linear_op(x, weight, bias, scale_x, scale_weight, cublas_where_faster)
 
 
 def patch(model: torch.nn.Module, gpu_name: str | None = None) -> Any:

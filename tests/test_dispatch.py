@@ -180,3 +180,23 @@ def test_a_class_whose_params_are_invalid_at_the_launch_m_is_passed_over():
 def test_an_op_without_class_dims_borrows_nothing_at_launch():
     default = MM.params_from_dict({})
     assert dispatch.choose_class(MM, MM.shape(m=1000, n=1024, k=1024), {MM.shape(m=1024, n=1024, k=1024): default}) is None
+
+
+def _tuned(objective: str, ours: tuple[float, float], cublas: tuple[float, float]) -> dict:
+    """An entry's timings as a tune stores them: (hot, cold) medians of its winner and of cuBLAS."""
+    def timings(hot, cold):
+        return {m: {"method": m, "samples": 32, "median_us": v, "spread_us": 0.1, "min_us": v}
+                for m, v in (("hot", hot), ("cold", cold))}
+    return {"objective": objective, "timings": timings(*ours), "peers": {"cublas": timings(*cublas)}}
+
+
+@pytest.mark.parametrize("objective, faster", [("hot", True), ("cold", False), ("both", False)])
+def test_cublas_is_faster_by_the_objective_the_tune_ranked_by(objective, faster):
+    # hot 10 against 9, cold 20 against 30: by both, √200 against √270
+    assert dispatch.peer_faster(_tuned(objective, (10.0, 20.0), (9.0, 30.0))) is faster
+
+
+def test_an_entry_without_a_cublas_timing_never_says_cublas_is_faster():
+    entry = _tuned("hot", (10.0, 20.0), (9.0, 30.0))
+    assert not dispatch.peer_faster({**entry, "peers": {"triton": entry["peers"]["cublas"]}})
+    assert not dispatch.peer_faster({k: v for k, v in entry.items() if k != "timings"})

@@ -307,6 +307,17 @@ def test_linear_matches_float64_at_any_m_of_a_tuned_n_k(lead, with_bias):
     assert relative_error(y, ref) <= linear_tolerance(m, n, k, with_bias), f"M={m}"
 
 
+def test_linear_runs_cublas_where_asked_only_at_an_m_whose_tune_saw_cublas_win():
+    """N = K = 4096: cuBLAS won the tune at M = 16 (by both methods' geometric mean), the kernel at M = 128."""
+    on_h200()
+    for m, cublas_won in ((16, True), (128, False)):
+        x, weight, bias = bf16_inputs((m,), 4096, 4096, 50 + m)
+        kernel = mt.linear(x, weight, bias)
+        routed = mt.linear(x, weight, bias, cublas_where_faster=True)
+        expected = torch.nn.functional.linear(x, weight, bias) if cublas_won else kernel
+        assert torch.equal(routed, expected), f"M={m}"
+
+
 def test_linear_replays_in_a_cuda_graph_on_fresh_inputs():
     on_h200()
     x, weight, bias = bf16_inputs((200,), 4096, 4096, 21)

@@ -648,10 +648,10 @@ def test_the_runtime_builds_a_hopper_kernel_for_sm_90a_on_an_sm_90_gpu(monkeypat
     built, loaded = [], []
     monkeypatch.setattr(gpu, "current_device", lambda: 0)
     monkeypatch.setattr(gpu, "device_info", lambda ordinal=0: device)
-    monkeypatch.setattr(runtime, "choose", lambda *args: op.params_from_dict({"bm": 64, "consumers": 1}))
+    monkeypatch.setattr(runtime, "choose", lambda *args: (op.params_from_dict({"bm": 64, "consumers": 1}), None))
     monkeypatch.setattr(runtime, "build", lambda *args: built.append(variants.build(*args)) or built[-1])
     monkeypatch.setattr(gpu, "Kernel", lambda cubin, name, shared: loaded.append(name) or name)
-    monkeypatch.setattr(runtime, "Prepared", lambda *args: args)
+    monkeypatch.setattr(runtime, "Prepared", lambda *args, **kw: args)
     runtime._prepare(op, {"m": 16, "n": 4096, "k": 4096}, {}, 7, True)
     (variant,) = built
     assert variant.compiled.arch == "sm_90a" and loaded == [variant.source.kernel_name]
@@ -664,9 +664,26 @@ def test_a_gemm_at_an_untuned_m_runs_the_nearest_class_and_an_untuned_n_k_says_h
     op = get_op("gemm_sm90")
     h200 = gpu.DeviceInfo("NVIDIA H200", (9, 0), 132, 60 << 20, 232448, "13.0")
     for m, tuned_at in ((1, 16), (40, 32), (300, 256), (400, 512), (2048, 4096), (100000, 4096)):
-        served = load_winner(op, op.shape(m=tuned_at, n=4096, k=4096), h200.name).params
-        assert runtime.choose(op, op.shape(m=m, n=4096, k=4096), {}, h200, True) == served
+        served = load_winner(op, op.shape(m=tuned_at, n=4096, k=4096), h200.name)
+        assert runtime.choose(op, op.shape(m=m, n=4096, k=4096), {}, h200, True) == (served.params, served.entry)
     with pytest.raises(LaunchError, match=r"^gemm_sm90: nothing is tuned for n=4096, k=4096, b_layout=kn at any M on "
                                           r"NVIDIA H200; tune it, e\.g\. `mage-gen tune gemm_sm90 --m 8 --n 4096 "
                                           r"--k 4096 --config b_layout=kn`"):
         runtime.choose(op, op.shape(m=8, n=4096, k=4096, b_layout="kn"), {}, h200, True)
+
+
+@pytest.mark.parametrize("asked, cublas_faster, scaled, runs", [
+    (True, True, False, "cublas"), (True, False, False, "kernel"), (False, True, False, "kernel"),
+    (True, True, True, "kernel"),  # fp8: the rule is bf16's
+])
+def test_linear_calls_cublas_only_where_asked_and_the_serving_tune_saw_cublas_win(monkeypatch, asked, cublas_faster,
+                                                                                   scaled, runs):
+    prepared, launched = type("Served", (), {"cublas_faster": cublas_faster})(), []
+    monkeypatch.setattr(mt, "_check_linear", lambda x, weight, *rest: (x.shape[0], weight.shape[0], x.shape[1]))
+    monkeypatch.setattr(mt, "_gemm_launch", lambda *args: prepared)
+    monkeypatch.setattr(mt, "_gemm", lambda index, served, c, *rest: launched.append(served) or c.fill_(7))
+    x, weight = torch.randn(4, 64).to(BF16), torch.randn(32, 64).to(BF16)
+    scales = (torch.ones(1), torch.ones(1)) if scaled else (None, None)
+    y = mt._linear_impl(x, weight, None, *scales, cublas_where_faster=asked)
+    expected = torch.nn.functional.linear(x, weight) if runs == "cublas" else torch.full((4, 32), 7.0, dtype=BF16)
+    assert torch.equal(y, expected) and launched == ([] if runs == "cublas" else [prepared])
