@@ -407,3 +407,23 @@ def test_block_scales_promote_a_stage_as_soon_as_it_is_done():
     with pytest.raises(ConfigError, match="^registers: 256 accumulators"):  # a stage's sums held apart: twice over
         OP.validate(OP.shape(m=64, n=64, k=256, precision="e4m3_block"),
                     OP.params_from_dict({"bm": 64, "bn": 256, "consumers": 1, "inflight": 0}))
+
+
+def test_the_gates_inputs_are_the_same_for_a_seed_however_many_threads_draw_them(monkeypatch):
+    """Blocks of rows from children of the generator, on every core: a seed still fixes every value, whatever the
+    host; values about standard normal, the padding past K NaN."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mage_gen.dtypes import BFLOAT16
+    from mage_gen.ops import base
+
+    shape = OP.shape(m=300, n=5000, k=1001)  # B: several blocks of rows
+    assert shape.n * shape.k > 2 * base.DRAW_BLOCK_ELEMENTS
+    many = OP.make_inputs(shape, {}, np.random.default_rng(8))
+    monkeypatch.setattr(base, "_drawing", [ThreadPoolExecutor(1)])
+    one = OP.make_inputs(shape, {}, np.random.default_rng(8))
+    assert all(np.array_equal(many[name], one[name]) for name in ("A", "B"))
+    b = BFLOAT16.widen(many["B"])
+    assert np.isnan(b[:, shape.k:]).all() and not np.isnan(b[:, :shape.k]).any()
+    assert abs(b[:, :shape.k].mean()) < 0.01 and abs(b[:, :shape.k].std() - 1) < 0.01
+    assert not np.array_equal(b[:1000, :shape.k], b[1000:2000, :shape.k])  # each block its own draws

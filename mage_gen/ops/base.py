@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, Protocol
@@ -13,6 +15,27 @@ import numpy as np
 from mage_gen.dtypes import DType
 from mage_gen.errors import ConfigError
 from mage_gen.render import Source
+
+
+# Rows a draw hands one thread at a time: about this many elements. A fixed split of the rows, not one by core count,
+# so that a seed gives the same values on any host.
+DRAW_BLOCK_ELEMENTS = 1 << 20
+_drawing: list[ThreadPoolExecutor] = []
+
+
+def fill_rows(rng: np.random.Generator, count: int, length: int,
+              fill: Callable[[np.random.Generator, slice], None]) -> None:
+    """fill(child, rows) over `count` rows of `length` elements, in blocks of rows each given its own child of rng,
+    on every core: numpy's generators and ufuncs let go of the GIL while they work, so a weight of 10⁸ elements is
+    drawn in a fraction of one core's time (a big GEMM's gate drew its inputs for most of a trial)."""
+    per_block = max(1, DRAW_BLOCK_ELEMENTS // max(length, 1))
+    starts = range(0, count, per_block)
+    if not _drawing:
+        _drawing.append(ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="draw"))
+    work = [_drawing[0].submit(fill, child, slice(start, min(start + per_block, count)))
+            for child, start in zip(rng.spawn(len(starts)), starts)]
+    for done in work:
+        done.result()
 
 
 def params_from(params_type: type, op_name: str, values: dict[str, Any], hidden: frozenset[str] = frozenset()) -> Any:

@@ -45,8 +45,8 @@ import numpy as np
 
 from mage_gen.dtypes import BFLOAT16, E4M3, FLOAT32, DType
 from mage_gen.errors import ConfigError
-from mage_gen.ops.base import (WAVES, Arg, LazyFunction, Launch, OpFamily, Rule, TensorMapSpec, check_rules, params_dict,
-                               params_from, public_params_from)
+from mage_gen.ops.base import (WAVES, Arg, LazyFunction, Launch, OpFamily, Rule, TensorMapSpec, check_rules, fill_rows,
+                               params_dict, params_from, public_params_from)
 from mage_gen.render import Source, render
 
 PRECISIONS = ("bf16", "e4m3", "e4m3_block")
@@ -580,8 +580,14 @@ class GemmSm90(OpFamily):
         spread = 8.0 if shape.precision == "e4m3" else 1.0
 
         def rows(count: int, length: int, stride: int) -> np.ndarray:
-            held = np.full((count, stride), element.nan_bits & (1 << 8 * element.itemsize) - 1, dtype=element.storage)
-            held[:, :length] = element.round(spread * rng.standard_normal((count, length), dtype=np.float32))
+            held = np.empty((count, stride), dtype=element.storage)
+
+            def fill(child: np.random.Generator, at: slice) -> None:
+                held[at, :length] = element.round(spread * child.standard_normal((at.stop - at.start, length),
+                                                                                 dtype=np.float32))
+                held[at, length:] = element.nan_bits & (1 << 8 * element.itemsize) - 1
+
+            fill_rows(rng, count, length, fill)
             return held
 
         b = (shape.n, shape.k) if shape.b_layout == "nk" else (shape.k, shape.n)
