@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,7 +32,7 @@ from mage_gen.dtypes import DType
 from mage_gen.dtypes import dtype as element_type
 from mage_gen.errors import GpuError
 from mage_gen.ops import Op
-from mage_gen.ops.base import WORKING_KINDS, launch_args, tensor_maps
+from mage_gen.ops.base import WORKING_KINDS, launch_args, tensor_maps, use_product64
 from mage_gen.render import render
 from mage_gen.timing import Timing
 from mage_gen.verdict import GateResult, compare_outputs
@@ -44,6 +45,9 @@ HOT_LAUNCHES_PER_GRAPH = 20
 # How long the GPU is held before each timed sample while the host queues it (hold): longer than any subject's host
 # path from the flush to its launch (Inductor's guards, Triton's launcher: tens of microseconds)
 HOLD_US = 1000
+# Held while a subject is timed: what another thread of this process puts on the GPU meanwhile (a gate's float64
+# reference drawn ahead, product_on_gpu) waits for it, so that a sample stays the GPU's time for that subject alone
+timing_lock = threading.Lock()
 
 
 def fenced_output(shape: tuple[int, ...], element: DType) -> gpu.Buffer:
@@ -372,7 +376,19 @@ def flush_buffer() -> gpu.Buffer:
     return gpu.Buffer(flush_bytes())
 
 
-class KernelSubject:
+class TimedAlone:
+    """A subject whose samples (its _hot and _cold) are taken holding timing_lock."""
+
+    def hot(self, replays: int) -> list[float]:
+        with timing_lock:
+            return self._hot(replays)
+
+    def cold(self, count: int) -> list[float]:
+        with timing_lock:
+            return self._cold(count)
+
+
+class KernelSubject(TimedAlone):
     """A gated kernel bound to inputs of the tuned size, timed on its own stream."""
 
     def __init__(self, name: str, bound: Bound, stream: gpu.Stream):
@@ -380,7 +396,7 @@ class KernelSubject:
         self.events = gpu.EventPair()
         self._graph: gpu.Graph | None = None
 
-    def hot(self, replays: int) -> list[float]:
+    def _hot(self, replays: int) -> list[float]:
         if self._graph is None:
             self._graph = self.stream.capture(
                 lambda handle: [self.bound.enqueue(handle) for _ in range(HOT_LAUNCHES_PER_GRAPH)])
@@ -398,7 +414,7 @@ class KernelSubject:
         finally:
             events.destroy()
 
-    def cold(self, count: int) -> list[float]:
+    def _cold(self, count: int) -> list[float]:
         flush = flush_buffer()
         samples = []
         for i in range(count):
@@ -524,6 +540,26 @@ class Placement:
         self._owned.clear()
 
 
+def product_on_gpu(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a @ b in float64 by cuBLAS, through torch (an H200 does about 50 TFLOP/s of it, its host's cores about one),
+    never while a subject is being timed."""
+    import torch
+
+    with timing_lock, torch.no_grad():
+        product = torch.from_numpy(a).cuda() @ torch.from_numpy(b).cuda()
+        return product.cpu().numpy()
+
+
+def _use_the_gpu_for_large_references() -> None:
+    """Large float64 products of the ops' references (ops.base.product64) on the GPU, where torch sees one."""
+    try:
+        import torch
+    except ImportError:
+        return
+    if torch.cuda.is_available():
+        use_product64(product_on_gpu)
+
+
 class Bench:
     """Loads, gates and times variants of one op and size on the current GPU."""
 
@@ -535,6 +571,7 @@ class Bench:
         self.device = gpu.open_device()
         self.stream = gpu.Stream()
         self.rng = np.random.default_rng(seed)
+        _use_the_gpu_for_large_references()
         self.cases = GateCases(op, shape, self.rng, ahead=True)
         self._timing_inputs: dict[str, np.ndarray] | None = inputs
         self._timing_on_device: dict[str, gpu.Buffer] | None = None

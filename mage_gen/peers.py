@@ -12,7 +12,7 @@ import numpy as np
 
 from mage_gen.dtypes import BFLOAT16, E4M3, FLOAT32, DType
 from mage_gen.dtypes import dtype as element_type
-from mage_gen.measure import HOT_LAUNCHES_PER_GRAPH, flush_bytes, hold, interleave, own_lines_only
+from mage_gen.measure import HOT_LAUNCHES_PER_GRAPH, TimedAlone, flush_bytes, hold, interleave, own_lines_only
 from mage_gen.verdict import compare_outputs
 from mage_gen.ops import Op
 
@@ -131,7 +131,7 @@ if triton is not None:
                  mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-class TorchSubject:
+class TorchSubject(TimedAlone):
     """A callable that enqueues work on torch's current stream, timed like a generated kernel."""
 
     def __init__(self, name: str, run: Callable[[], Any], config: dict[str, Any] | None = None):
@@ -140,7 +140,7 @@ class TorchSubject:
         self._begin = torch.cuda.Event(enable_timing=True)
         self._end = torch.cuda.Event(enable_timing=True)
 
-    def hot(self, replays: int) -> list[float]:
+    def _hot(self, replays: int) -> list[float]:
         if self._graph is None:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -164,7 +164,7 @@ class TorchSubject:
         events[replays].synchronize()
         return [a.elapsed_time(b) * 1000.0 / HOT_LAUNCHES_PER_GRAPH for a, b in zip(events, events[1:])]
 
-    def cold(self, count: int) -> list[float]:
+    def _cold(self, count: int) -> list[float]:
         flush = torch_flush_buffer()
         samples = []
         for _ in range(count):

@@ -121,3 +121,28 @@ def test_the_gate_takes_its_cases_from_the_cases_given(monkeypatch, params):
     finally:
         cases.close()
     assert taken == 2 * [r["m"] for r in OP.gate_runs(SHAPE, {"m": 4096}, params)]
+
+
+def test_a_large_float64_product_goes_to_the_installed_one_and_a_small_one_to_numpy(monkeypatch):
+    from mage_gen.ops import base
+
+    taken = []
+    monkeypatch.setattr(base, "_large_products", [])
+    monkeypatch.setattr(base, "LARGE_PRODUCT_FLOPS", 2 * 4 * 5 * 6)
+    a, b = np.arange(20.0).reshape(4, 5), np.arange(30.0).reshape(5, 6)
+    assert np.array_equal(base.product64(a, b), a @ b)  # nothing installed: numpy, however large
+    base.use_product64(lambda x, y: taken.append((x.shape, y.shape)) or x @ y)
+    assert np.array_equal(base.product64(a[:3], b), a[:3] @ b) and taken == []  # below the size
+    assert np.array_equal(base.product64(a, b), a @ b) and taken == [((4, 5), (5, 6))]
+
+
+def test_a_subject_is_timed_holding_the_lock_a_reference_on_the_gpu_waits_for(monkeypatch):
+    """A gate's reference drawn ahead on another thread must not run on the GPU while a sample is taken."""
+    from mage_gen.peers import TorchSubject
+
+    for subject_type in (measure.KernelSubject, TorchSubject):
+        monkeypatch.setattr(subject_type, "_hot", lambda self, replays: [measure.timing_lock.locked()])
+        monkeypatch.setattr(subject_type, "_cold", lambda self, count: [measure.timing_lock.locked()])
+        subject = subject_type.__new__(subject_type)
+        assert subject.hot(1) == [True] and subject.cold(1) == [True]
+        assert not measure.timing_lock.locked()

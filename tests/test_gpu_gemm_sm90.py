@@ -197,6 +197,16 @@ def test_swapped_and_fp8_products_match_the_float64_reference_at_tails(device, s
     assert result.passed, f"{params.label()} at {shape}: {result.reason}"
 
 
+def test_a_large_reference_is_computed_on_the_gpu_and_agrees_with_numpy(device):
+    import numpy as np
+
+    from mage_gen.measure import product_on_gpu
+
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal((300, 500)), rng.standard_normal((700, 500))
+    assert np.allclose(product_on_gpu(a, b.T), a @ b.T, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("plant", ["swizzle", "sbo"])
 def test_the_gate_rejects_a_wrong_descriptor(device, stream, plant):
     shape = OP.shape(m=1024, n=1032, k=1040)

@@ -38,6 +38,25 @@ def fill_rows(rng: np.random.Generator, count: int, length: int,
         done.result()
 
 
+# A float64 product of at least this many multiply-adds goes to the product installed with use_product64 where there
+# is one (a second or more on the host's cores at Llama's shapes; measure installs cuBLAS's, through torch)
+LARGE_PRODUCT_FLOPS = 1 << 33
+_large_products: list[Callable[[np.ndarray, np.ndarray], np.ndarray]] = []
+
+
+def product64(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a @ b for float64 a (M, K) and b (K, N): the references' matrix products. A large one is computed by the
+    product installed with use_product64, if any; the rest, and every one on a host without it, by numpy."""
+    if _large_products and 2 * a.shape[0] * a.shape[1] * b.shape[1] >= LARGE_PRODUCT_FLOPS:
+        return _large_products[-1](a, b)
+    return a @ b
+
+
+def use_product64(product: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> None:
+    """Compute large float64 products (product64) with `product` from now on in this process."""
+    _large_products[:] = [product]
+
+
 def params_from(params_type: type, op_name: str, values: dict[str, Any], hidden: frozenset[str] = frozenset()) -> Any:
     """An op's frozen Params from a dict (a search space, --config, tuned/), naming unknown keys and refusing
     true/false for a whole-number field (Python would take them as 1 and 0)."""

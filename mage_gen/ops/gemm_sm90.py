@@ -46,7 +46,7 @@ import numpy as np
 from mage_gen.dtypes import BFLOAT16, E4M3, FLOAT32, DType
 from mage_gen.errors import ConfigError
 from mage_gen.ops.base import (WAVES, Arg, LazyFunction, Launch, OpFamily, Rule, TensorMapSpec, check_rules, fill_rows,
-                               params_dict, params_from, public_params_from)
+                               params_dict, params_from, product64, public_params_from)
 from mage_gen.render import Source, render
 
 PRECISIONS = ("bf16", "e4m3", "e4m3_block")
@@ -280,14 +280,14 @@ def _scale_shapes(shape: Shape) -> dict[str, tuple[int, ...]]:
 
 
 def _block_scaled(shape: Shape, a: np.ndarray, b: np.ndarray, scale_a: np.ndarray, scale_b: np.ndarray) -> np.ndarray:
-    """Σ over 128-deep blocks of K of A_blk·B_blkᵀ times A's row scale and B's block scale (their fp32 product)."""
-    c = np.zeros((shape.m, shape.n))
-    columns = np.arange(shape.n) // SCALE_BLOCK
-    for kb in range(-(-shape.k // SCALE_BLOCK)):
-        ks = slice(kb * SCALE_BLOCK, (kb + 1) * SCALE_BLOCK)
-        scale = (scale_a[:, kb][:, None].astype(np.float32) * scale_b[columns, kb][None, :].astype(np.float32))
-        c += (a[:, ks] @ b[:, ks].T) * scale.astype(np.float64)
-    return c
+    """Σ over 128-deep blocks of K of A_blk·B_blkᵀ times A's row scale and B's block scale, as one product: each
+    element of A times its row's scale for its block of K, each of B times its block's. An e4m3 value (4 significant
+    bits) times a float32 scale (24) is exact in float64, so each term is A·B·scale_a·scale_b exactly; the kernel
+    rounds each scale_a·scale_b to fp32 first, 2⁻²⁴ relative, far inside the gate's tolerance."""
+    blocks = np.arange(shape.k) // SCALE_BLOCK
+    a_scaled = a * scale_a.astype(np.float64)[:, blocks]
+    b_scaled = b * scale_b.astype(np.float64)[np.arange(shape.n) // SCALE_BLOCK][:, blocks]
+    return product64(a_scaled, b_scaled.T)
 
 
 def _shared_bytes(shape: Shape, p: Params) -> int:
@@ -619,8 +619,8 @@ class GemmSm90(OpFamily):
         if shape.precision == "e4m3":  # the scales as the kernel applies them: their fp32 product
             a = a * float(np.float32(inputs["scale_a"][0]) * np.float32(inputs["scale_b"][0]))
         if shape.b_layout == "nk":
-            return {"C": a @ element.widen(inputs["B"][:, :shape.k]).astype(np.float64).T}
-        return {"C": a @ element.widen(inputs["B"][:, :shape.n]).astype(np.float64)}
+            return {"C": product64(a, element.widen(inputs["B"][:, :shape.k]).astype(np.float64).T)}
+        return {"C": product64(a, element.widen(inputs["B"][:, :shape.n]).astype(np.float64))}
 
     def gate_runs(self, shape: Shape, run: dict[str, int], params: Params) -> list[dict[str, int]]:
         return [{}]

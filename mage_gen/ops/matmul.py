@@ -17,7 +17,7 @@ import numpy as np
 
 from mage_gen.dtypes import FLOAT32, DType
 from mage_gen.errors import ConfigError
-from mage_gen.ops.base import (Arg, LazyFunction, Rule, TiledProduct, params_dict, params_from,
+from mage_gen.ops.base import (Arg, LazyFunction, Rule, TiledProduct, params_dict, params_from, product64,
                                public_params_from, register_cap)
 from mage_gen.render import Source, render
 
@@ -317,7 +317,7 @@ class Matmul(TiledProduct):
         return self.tolerance
 
     def reference(self, shape: Shape, inputs: dict[str, np.ndarray], scalars: dict[str, int | float]) -> dict[str, np.ndarray]:
-        return {"C": inputs["A"].astype(np.float64) @ inputs["B"].astype(np.float64)}
+        return {"C": product64(inputs["A"].astype(np.float64), inputs["B"].astype(np.float64))}
 
     def gate_runs(self, shape: Shape, run: dict[str, int], params: Params) -> list[dict[str, int]]:
         return [{}]  # every size is fixed: one run, fresh inputs each check
