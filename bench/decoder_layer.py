@@ -17,6 +17,7 @@ import argparse
 import copy
 import json
 import sys
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -99,7 +100,8 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(out.double() - ref.double()) / torch.linalg.vector_norm(ref.double()))
 
 
-def bench_tokens(name: str, tokens: int) -> dict:
+def make_ways(name: str, tokens: int) -> tuple[dict, tuple, torch.Tensor, Any]:
+    """(each way's callable, the bf16 inputs, the float32 layer's output, what patch routed) at `tokens`."""
     make, d, head_dim = MODELS[name]
     torch.manual_seed(0)
     reference = make().cuda().eval()
@@ -113,6 +115,11 @@ def bench_tokens(name: str, tokens: int) -> dict:
     ways = {"eager": layer, "compile": torch.compile(layer),
             "compile-max-autotune": torch.compile(copy.deepcopy(layer), mode="max-autotune-no-cudagraphs"),
             PATCHED: torch.compile(patched, mode="max-autotune-no-cudagraphs")}
+    return ways, args, expected, routes
+
+
+def bench_tokens(name: str, tokens: int) -> dict:
+    ways, args, expected, routes = make_ways(name, tokens)
     errors, subjects = {}, []
     with torch.inference_mode():
         for way, fn in ways.items():
