@@ -24,9 +24,9 @@ RULE = ("the entries on the launch's side of the L2 size first (the bytes a laun
 CLASS_RULE = ("of the entries equal to the launch's shape in every field but the class dims (gemm_sm90: the same "
               "N, K, precision, C type and B layout), whose params are valid for its sizes, the one tuned at the "
               "nearest class sizes on a log scale (the larger on a tie); none: the shape is untuned")
-PEER_RULE = ("mage_gen.torch's bf16 products (linear, matmul) call torch's own (cuBLAS) instead of the kernel where "
-             "the entry serving the launch was timed slower than cuBLAS in its tune's final round, by the tune's "
-             "objective (hot, cold, or the geometric mean of both)")
+PEER_RULE = ("mage_gen.torch.linear asked with cublas_where_faster=True (as a patched model's nn.Linear asks) calls "
+             "F.linear (cuBLAS) instead of the kernel for a bf16 product whose serving entry was timed slower than "
+             "cuBLAS in its tune's final round, by the tune's objective (hot, cold, or the geometric mean of both)")
 # --m auto: the L2-resident size fills at most this share of the L2, the DRAM-bound one at least this many L2s,
 # so that neither sits near the boundary where hot and cold timings blur.
 AUTO_L2_SHARE = 0.5

@@ -378,15 +378,16 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], scale
 def _linear_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale_x: torch.Tensor | None = None,
                  scale_weight: torch.Tensor | None = None, cublas_where_faster: bool = False) -> torch.Tensor:
     m, n, k = _check_linear(x, weight, bias, scale_x, scale_weight)
+    if not m:
+        return torch.empty((*x.shape[:-1], n), dtype=_bfloat16, device=x.device)
+    index, scales = x.get_device(), () if scale_x is None else (scale_x, scale_weight)
+    prepared = _gemm_launch(index, m, n, k, "nk", "e4m3" if scales else "bf16")
+    if cublas_where_faster and prepared.cublas_faster and not scales:  # dispatch.PEER_RULE
+        return _F.linear(x, weight, bias)
     y = torch.empty((*x.shape[:-1], n), dtype=_bfloat16, device=x.device)  # bf16 whatever x is, as _scaled_mm's
-    if m:
-        index, scales = x.get_device(), () if scale_x is None else (scale_x, scale_weight)
-        prepared = _gemm_launch(index, m, n, k, "nk", "e4m3" if scales else "bf16")
-        if cublas_where_faster and prepared.cublas_faster and not scales:  # dispatch.PEER_RULE
-            return _F.linear(x, weight, bias)
-        _gemm(index, prepared, y, x, weight, "nk", scales)
-        if bias is not None:
-            y.add_(bias)  # a second kernel: the Hopper kernel's epilogue has no bias
+    _gemm(index, prepared, y, x, weight, "nk", scales)
+    if bias is not None:
+        y.add_(bias)  # a second kernel: the Hopper kernel's epilogue has no bias
     return y
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import functools
 import importlib
 import os
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, Protocol
 
