@@ -146,3 +146,25 @@ def test_a_subject_is_timed_holding_the_lock_a_reference_on_the_gpu_waits_for(mo
         subject = subject_type.__new__(subject_type)
         assert subject.hot(1) == [True] and subject.cold(1) == [True]
         assert not measure.timing_lock.locked()
+
+
+def test_outputs_compared_in_blocks_on_every_core_agree_with_numpy_and_name_the_first_nan(monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mage_gen import verdict
+    from mage_gen.dtypes import BFLOAT16
+    from mage_gen.ops import base
+
+    rng = np.random.default_rng(4)
+    ref = rng.standard_normal((700, 4000))  # several blocks of rows
+    out = BFLOAT16.round(ref)
+    whole = np.linalg.norm(BFLOAT16.widen(out).astype(np.float64) - ref) / np.linalg.norm(ref)
+    assert verdict.relative_error(out, ref) == pytest.approx(whole, rel=1e-12)
+    widened = BFLOAT16.widen(out)
+    widened[650, 9] = widened[651, 0] = np.nan  # in the last block only
+    assert verdict.compare_outputs(get_op("layernorm"), get_op("layernorm").shape(d=4000), {"y": widened},
+                                   {"y": ref}) == (float("inf"), "y has 2 NaN (first at (650, 9)): unwritten or "
+                                                                 "computed NaN")
+    many = verdict.relative_error(out, ref)
+    monkeypatch.setattr(base, "_threads", [ThreadPoolExecutor(1)])
+    assert verdict.relative_error(out, ref) == many  # the same bits, however many threads

@@ -418,9 +418,9 @@ def test_the_gates_inputs_are_the_same_for_a_seed_however_many_threads_draw_them
     from mage_gen.ops import base
 
     shape = OP.shape(m=300, n=5000, k=1001)  # B: several blocks of rows
-    assert shape.n * shape.k > 2 * base.DRAW_BLOCK_ELEMENTS
+    assert shape.n * shape.k > 2 * base.BLOCK_ELEMENTS
     many = OP.make_inputs(shape, {}, np.random.default_rng(8))
-    monkeypatch.setattr(base, "_drawing", [ThreadPoolExecutor(1)])
+    monkeypatch.setattr(base, "_threads", [ThreadPoolExecutor(1)])
     one = OP.make_inputs(shape, {}, np.random.default_rng(8))
     assert all(np.array_equal(many[name], one[name]) for name in ("A", "B"))
     b = BFLOAT16.widen(many["B"])

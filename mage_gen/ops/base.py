@@ -5,10 +5,10 @@ from __future__ import annotations
 import functools
 import importlib
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import MISSING, asdict, dataclass, fields
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -17,25 +17,34 @@ from mage_gen.errors import ConfigError
 from mage_gen.render import Source
 
 
-# Rows a draw hands one thread at a time: about this many elements. A fixed split of the rows, not one by core count,
-# so that a seed gives the same values on any host.
-DRAW_BLOCK_ELEMENTS = 1 << 20
-_drawing: list[ThreadPoolExecutor] = []
+T = TypeVar("T")
+
+# Rows the host's threads take one at a time: about this many elements. A fixed split of the rows, not one by core
+# count, so that a seed gives the same values, and a sum the same bits, on any host.
+BLOCK_ELEMENTS = 1 << 20
+_threads: list[ThreadPoolExecutor] = []
+
+
+def row_blocks(count: int, length: int) -> list[slice]:
+    """`count` rows of `length` elements in blocks of about BLOCK_ELEMENTS."""
+    per_block = max(1, BLOCK_ELEMENTS // max(length, 1))
+    return [slice(start, min(start + per_block, count)) for start in range(0, count, per_block)]
+
+
+def on_every_core(work: Callable[..., T], *arguments: Sequence[Any]) -> list[T]:
+    """[work(*each) for each in zip(*arguments)], on a thread per core: numpy's generators and ufuncs let go of the
+    GIL while they work, so a GEMM's 10⁸-element operand is drawn or compared in a fraction of one core's time."""
+    if not _threads:
+        _threads.append(ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="rows"))
+    return [done.result() for done in [_threads[0].submit(work, *each) for each in zip(*arguments)]]
 
 
 def fill_rows(rng: np.random.Generator, count: int, length: int,
               fill: Callable[[np.random.Generator, slice], None]) -> None:
     """fill(child, rows) over `count` rows of `length` elements, in blocks of rows each given its own child of rng,
-    on every core: numpy's generators and ufuncs let go of the GIL while they work, so a weight of 10⁸ elements is
-    drawn in a fraction of one core's time (a big GEMM's gate drew its inputs for most of a trial)."""
-    per_block = max(1, DRAW_BLOCK_ELEMENTS // max(length, 1))
-    starts = range(0, count, per_block)
-    if not _drawing:
-        _drawing.append(ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="draw"))
-    work = [_drawing[0].submit(fill, child, slice(start, min(start + per_block, count)))
-            for child, start in zip(rng.spawn(len(starts)), starts)]
-    for done in work:
-        done.result()
+    on every core (a big GEMM's gate drew its inputs on one core for most of a trial)."""
+    blocks = row_blocks(count, length)
+    on_every_core(fill, rng.spawn(len(blocks)), blocks)
 
 
 # A float64 product of at least this many multiply-adds goes to the product installed with use_product64 where there
