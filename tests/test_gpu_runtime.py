@@ -308,9 +308,14 @@ def test_linear_matches_float64_at_any_m_of_a_tuned_n_k(lead, with_bias):
 
 
 def test_linear_runs_cublas_where_asked_only_at_an_m_whose_tune_saw_cublas_win():
-    """N = K = 4096: cuBLAS won the tune at M = 16 (by both methods' geometric mean), the kernel at M = 128."""
+    """N = K = 4096 at M = 16 and 128 (classes whose tunes cuBLAS and the kernel won, in tuned/h200): with the flag,
+    exactly F.linear's bits where the serving entry's tune saw cuBLAS win, the kernel's elsewhere."""
+    from mage_gen import dispatch, gpu, runtime
+
     on_h200()
-    for m, cublas_won in ((16, True), (128, False)):
+    device = gpu.device_info(torch.cuda.current_device())
+    for m in (16, 128):
+        cublas_won = dispatch.peer_faster(runtime.choose(GEMM, GEMM.shape(m=m, n=4096, k=4096), {}, device, True)[1])
         x, weight, bias = bf16_inputs((m,), 4096, 4096, 50 + m)
         kernel = mt.linear(x, weight, bias)
         routed = mt.linear(x, weight, bias, cublas_where_faster=True)
