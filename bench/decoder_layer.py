@@ -56,7 +56,7 @@ class LlamaLayer(nn.Module):
         q, k = (rotate(u.view(t, -1, hd).transpose(0, 1), cos, sin) for u in (q, k))
         v = v.view(t, -1, hd).transpose(0, 1)
         # each KV head repeated for its queries, as Hugging Face's Llama does: SDPA's flash kernel under
-        # torch.compile too, where enable_gqa=True was lowered to attention held whole (heads × t × t in float32)
+        # torch.compile too, which lowers enable_gqa=True to attention held whole (heads × t × t in float32)
         k, v = (u.repeat_interleave(self.heads // self.kv_heads, dim=0) for u in (k, v))
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         h = x + self.o(attn.transpose(0, 1).reshape(t, -1))
