@@ -176,7 +176,8 @@ def gemm(c: int, a: int, b: int, m: int, n: int, k: int, stream: int = 0, *, dev
     caches it on disk); an (n, k) tuned at no M is refused. Rows of A and of B are K (a K×N B: N) elements rounded up
     to 16 bytes apart, C's n; A and B start on 16 bytes (TMA), C on its element pairs (16 bytes where the kernel
     stores C by TMA). precision e4m3: A and B fp8 (B N×K), C = scale_a·scale_b·A·Bᵀ with scale_a and scale_b the
-    addresses of one fp32 each, as torch._scaled_mm. A split-K winner gets its workspace and counters from the
+    addresses of one fp32 each, as torch._scaled_mm; e4m3_block: of DeepGEMM's fp32 block scales, A's M × ⌈K/128⌉
+    and B's ⌈N/128⌉ × ⌈K/128⌉, row-major. A split-K winner gets its workspace and counters from the
     runtime, one set per stream: launches on two streams at once never share them."""
     dims = {"m": m, "n": n, "k": k, "precision": precision, "c_dtype": c_dtype, "b_layout": b_layout}
     shape = _gemm_shape(m, n, k, precision, c_dtype, b_layout)  # before any call to the driver
