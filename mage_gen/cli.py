@@ -329,6 +329,9 @@ def variants(
             left_out = "; configs whose grid is given per SM left out (no GPU here: give --sms)"
     counted = tally(op, shape, space, arch)
     valid = counted.valid
+    if not valid and left_out and not counted.first_rejection:  # every config's grid was given per SM
+        raise MageError(f"sms: every config of preset {space.preset} gives its grid per SM, and there is no GPU here; "
+                        "give the GPU's SM count, e.g. --sms 132")
     if not valid:
         raise MageError(f"space: no config of preset {space.preset} is valid for {op.name} {shape_dict(shape)}; first "
                         f"rejection: {counted.first_rejection or 'none'}; try a wider --preset ({_PRESETS})")

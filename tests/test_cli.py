@@ -61,6 +61,15 @@ def test_variants_size_a_grid_given_per_sm_for_the_sms_asked():
     assert (caps == {0} and "left out (no GPU here: give --sms)" in plain.stderr) or (len(caps) == 2 and 0 in caps)
 
 
+def test_variants_of_a_preset_all_per_sm_ask_for_sms_where_there_is_no_gpu():
+    done = mage_gen("variants", "gemm_sm90", "--m", "256", "--n", "512", "--k", "256", "--limit", "1")
+    if done.returncode == 0:  # a GPU here sized the grid
+        return
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "mage-gen: error: sms: every config of preset quick gives its grid per SM, and there is no GPU here; give the "
+        "GPU's SM count, e.g. --sms 132"]
+
+
 @pytest.mark.parametrize("args, says", [
     (["inspect", "layernorm", "--d", "0"], "d-range"),
     (["inspect", "layernorm", "--d", "-5"], "d-range"),
