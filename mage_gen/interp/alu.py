@@ -439,6 +439,12 @@ def _rsqrt(dec, st, parts):
     return _unary(None, fp.rsqrt_f32)(dec, st, parts)
 
 
+def _ex2(dec, st, parts):
+    if type_of(parts) != "f32" or "approx" not in parts:
+        raise UnknownInstruction("only ex2.approx(.ftz).f32 is implemented")
+    return _unary(None, fp.ex2_f32)(dec, st, parts)
+
+
 def _div_build(dec, st, parts):
     typ = type_of(parts)
     if np.dtype(DTYPES[typ]).kind == "f" and not {"rn", "full", "approx"} & set(parts):
@@ -452,7 +458,7 @@ BUILDERS = {
     "min": _binary(_minmax(np.minimum, np.fmin)), "max": _binary(_minmax(np.maximum, np.fmax)),
     "fma": _fma, "mad": _fma,
     "neg": _unary(np.negative, np.negative), "abs": _unary(np.abs, np.abs),
-    "rcp": _unary(None, _recip), "sqrt": _unary(None, _sqrt), "rsqrt": _rsqrt,
+    "rcp": _unary(None, _recip), "sqrt": _unary(None, _sqrt), "rsqrt": _rsqrt, "ex2": _ex2,
     "and": _logic(np.bitwise_and), "or": _logic(np.bitwise_or), "xor": _logic(np.bitwise_xor),
     "not": _logic(np.invert), "shl": _shift(True), "shr": _shift(False),
     "setp": _setp, "selp": _selp, "mov": _mov, "cvt": _cvt, "cvta": _cvta, "bfi": _bfi, "copysign": _copysign,

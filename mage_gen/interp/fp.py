@@ -16,7 +16,7 @@ infinities are bit-exact (tests/test_interp.py compares every case with torch's 
 payload is not modelled.
 
 Where the GPU may differ: add/mul without a rounding modifier may be fused into an fma by ptxas, and
-rsqrt.approx / div.full / div.approx are approximations on the GPU; here they are computed correctly
+rsqrt.approx / ex2.approx / rcp.approx / div.full / div.approx are approximations on the GPU; here they are computed correctly
 rounded, which lies within their documented error. The op tolerances absorb both.
 """
 
@@ -56,6 +56,12 @@ def rsqrt_f32(x: np.ndarray) -> np.ndarray:
     """1/sqrt(x), correctly rounded: within rsqrt.approx's documented error (2^-22.9 relative)."""
     with np.errstate(divide="ignore", invalid="ignore"):
         return (1.0 / np.sqrt(x.astype(np.float64))).astype(np.float32)
+
+
+def ex2_f32(x: np.ndarray) -> np.ndarray:
+    """2^x, correctly rounded: within ex2.approx's documented error (2^-22.5 relative); inf past 128, 0 far below."""
+    with np.errstate(over="ignore"):
+        return np.exp2(x.astype(np.float64)).astype(np.float32)
 
 
 CANONICAL_HALF_NAN = np.uint16(0x7FFF)
