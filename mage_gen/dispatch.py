@@ -23,7 +23,9 @@ RULE = ("the entries on the launch's side of the L2 size first (the bytes a laun
         "scale (the larger on a tie); where no entry is on the launch's side, the nearest of all")
 CLASS_RULE = ("of the entries equal to the launch's shape in every field but the class dims (gemm_sm90: the same "
               "N, K, precision, C type and B layout), whose params are valid for its sizes, the one tuned at the "
-              "nearest class sizes on a log scale (the larger on a tie); none: the shape is untuned")
+              "nearest class sizes on a log scale (the larger on a tie); where none is, the same among the entries "
+              "that also differ in the op's epilogue fields (gemm_sm90: gate: a gated product runs the plain one's "
+              "main loop); none: the shape is untuned")
 PEER_RULE = ("mage_gen.torch.linear asked with cublas_where_faster=True (as a patched model's nn.Linear asks) calls "
              "F.linear (cuBLAS) instead of the kernel for a bf16 product whose serving entry was timed slower than "
              "cuBLAS in its tune's final round, by the tune's objective (hot, cold, or the geometric mean of both)")
@@ -115,8 +117,12 @@ def choose_class(op: Op, shape: Any, tuned: dict[Any, Any]) -> tuple[Any, Any] |
         at = {name: vars(other)[name] for name in sizes}
         return _distance(sizes, at), [-at[name] for name in op.class_dims]  # the larger on a tie
 
-    return _nearest(op, shape, tuned, lambda other: all(vars(other)[k] == v for k, v in mine.items() if k not in sizes),
-                    rank)
+    for free in ((), op.epilogue_fields):
+        served = _nearest(op, shape, tuned, lambda other: all(vars(other)[k] == v for k, v in mine.items()
+                                                               if k not in sizes and k not in free), rank)
+        if served is not None:
+            return served
+    return None
 
 
 def nearest_shape(op: Op, shape: Any, tuned: dict[Any, Any]) -> tuple[Any, Any] | None:

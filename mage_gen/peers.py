@@ -5,6 +5,7 @@ torch there are simply no peers."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -401,7 +402,11 @@ def strided_bf16_gemm_peers(shape: Any, inputs: dict[str, np.ndarray], eps: floa
                             output_of: _Outputs) -> dict[str, list[TorchSubject]]:
     """cuBLAS through torch (C = A·Bᵀ as F.linear computes it, or A·B for a K×N B: bf16 A and B, fp32 sums, C in C's
     type) and Triton's tl.dot over its Hopper tiles, each reading the same A and B (their padded rows) and writing
-    C's type. e4m3: torch._scaled_mm (cuBLASLt) with the per-tensor scales, with and without fast accumulation."""
+    C's type. e4m3: torch._scaled_mm (cuBLASLt) with the per-tensor scales, with and without fast accumulation. Gated
+    (gate silu): the product as above into a tensor of its own, then torch's silu of its first half times its
+    second half into C, as an unfused model computes it."""
+    if shape.gate != "none":
+        return _gated_peers(shape, inputs, eps, inductor, tensor_of, output_of)
     if shape.precision != "bf16":
         return _scaled_mm_peers(shape, tensor_of, output_of)
     a_rows, b_rows = (tensor_of(name, BFLOAT16) for name in ("A", "B"))
@@ -442,6 +447,26 @@ def strided_bf16_gemm_peers(shape: Any, inputs: dict[str, np.ndarray], eps: floa
                           "num_warps": warps, "num_stages": stages})
             for bm, bn, bk, warps, stages in TRITON_SM90_CONFIGS]
     return candidates
+
+
+def _gated_peers(shape: Any, inputs: dict[str, np.ndarray], eps: float, inductor: bool,
+                 tensor_of: Callable[[str, DType], Any], output_of: _Outputs) -> dict[str, Any]:
+    """cuBLAS's plain product (the peers of the same shape ungated, each writing a product of its own), then
+    C = silu(product[:, :N/2]) · product[:, N/2:] by torch."""
+    plain = dataclasses.replace(shape, gate="none")
+    own = _Outputs({})  # the product is not C: never the kernel's output memory
+    families = strided_bf16_gemm_peers(plain, inputs, eps, inductor, tensor_of, own)
+    half = shape.c_cols
+    c = output_of("C", (shape.m, half), torch.bfloat16 if shape.c_dtype == "bf16" else torch.float32)
+
+    def gated(subject: TorchSubject) -> TorchSubject:
+        def go():
+            product = subject.run()
+            return torch.mul(torch.nn.functional.silu(product[:, :half]), product[:, half:], out=c)
+        return TorchSubject(subject.name, go, {**subject.config, "then": "torch.mul(F.silu(P[:, :N/2]), P[:, N/2:])"})
+
+    return {"cublas": [gated(s) for s in families["cublas"]],
+            "triton": "no gated kernel among the peers (Triton's product, then torch's gate, would time torch)"}
 
 
 def _scaled_mm_peers(shape: Any, tensor_of: Callable[[str, DType], Any], output_of: _Outputs) -> dict[str, Any]:

@@ -427,3 +427,63 @@ def test_the_gates_inputs_are_the_same_for_a_seed_however_many_threads_draw_them
     assert np.isnan(b[:, shape.k:]).all() and not np.isnan(b[:, :shape.k]).any()
     assert abs(b[:, :shape.k].mean()) < 0.01 and abs(b[:, :shape.k].std() - 1) < 0.01
     assert not np.array_equal(b[:1000, :shape.k], b[1000:2000, :shape.k])  # each block its own draws
+
+
+# ---- gate silu (SwiGLU over a fused gate_up weight): C = silu(A·B_gateᵀ) ⊙ A·B_upᵀ ----
+
+@pytest.mark.parametrize("shape, values", [
+    (dict(m=129, n=258, k=73), {}),  # C's rows of 129 elements: stored from registers, one at a time
+    (dict(m=70, n=272, k=200), {"bn": 128, "epilogue": "tma", "schedule": "pingpong", "consumers": 2, "grid": 1}),
+    (dict(m=17, n=130, k=300, precision="e4m3"), {"bn": 32, "split_k": 2}),
+    (dict(m=33, n=258, k=150, c_dtype="fp32"), {"bn": 256}),
+])
+def test_a_gated_product_passes_the_gate_on_the_interpreter(shape, values):
+    shape = OP.shape(**shape, gate="silu")
+    variant = build(OP, shape, OP.params_from_dict({**SMALL, **values}), "sm_90")
+    result = interp.gate(OP, shape, variant, {}, np.random.default_rng(3))
+    assert result.passed, result.reason
+    if shape.c_dtype == "fp32":  # silu's ex2 and rcp approximations (exact on the interpreter) aside, C is the sums'
+        assert result.errors["fixed"] < 1e-6
+
+
+def test_a_gated_tile_pairs_each_gate_sum_with_the_up_sum_of_the_same_column():
+    shape = OP.shape(m=64, n=256, k=64, c_dtype="fp32", gate="silu")
+    variant = build(OP, shape, OP.params_from_dict({**SMALL, "bn": 128}), "sm_90")
+    inputs = _whole_numbers(shape, np.random.default_rng(5))
+    out = interp.launch_with(OP, shape, variant, {}, inputs)["C"]
+    product = OP.reference(dataclasses.replace(shape, gate="none"), inputs, {})["C"]
+    gate, up = product[:, :128], product[:, 128:]
+    assert out.shape == (64, 128)
+    np.testing.assert_allclose(out, gate / (1 + np.exp(-gate)) * up, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(out, up / (1 + np.exp(-up)) * gate, rtol=1e-3)  # the halves are not interchangeable
+
+
+def test_a_gated_stage_copies_half_the_b_tile_from_each_half_of_b():
+    shape = OP.shape(m=256, n=2048, k=512, gate="silu")
+    p = OP.params_from_dict({"bm": 128, "bn": 256, "epilogue": "tma"})
+    maps = OP.tensor_maps(shape, p)
+    assert maps["tma_b"].dims == (512, 2048) and maps["tma_b"].box == (64, 128)
+    assert maps["tma_c"].dims == (1024, 256) and OP.output_shapes(shape, {}) == {"C": (256, 1024)}
+    text = OP.source(shape, p).text
+    assert text.count("&tma_b") == 3 and "1024 + tn * 128" in text  # the prefetch, then gate and up rows
+    assert OP.kernel_name(shape, p).startswith("gemm_sm90_bf16_nk_bf16_gsilu_m256_n2048_k512_b128x256")
+    assert OP.shape_key(shape).endswith("/gate=silu")
+    assert OP.shape_key(OP.shape(m=256, n=2048, k=512)) == "m=256,n=2048,k=512/bf16/nk/bf16"  # plain keys as stored
+
+
+def test_a_gated_tile_of_c_that_is_not_whole_128_byte_boxes_is_stored_from_registers():
+    shape = OP.shape(m=256, n=2048, k=512, gate="silu")
+    assert OP.kernel_name(shape, OP.params_from_dict({"bn": 192, "epilogue": "tma"})).endswith("_direct")
+    assert OP.kernel_name(shape, OP.params_from_dict({"bn": 256, "epilogue": "tma"})).endswith("_tma")
+
+
+@pytest.mark.parametrize("shape, values, rule", [
+    (dict(n=257), {}, "gate: gate silu pairs .* N must be even"),
+    (dict(b_layout="kn"), {}, "gate: .* got N=256, b_layout kn"),
+    (dict(precision="e4m3_block"), {}, "gate: .* per-block scales are not taken"),
+    ({}, {"swap": True, "bn": 32}, "gate: gate silu pairs sums a thread holds: it takes no swap and cluster 1, got swap"),
+    ({}, {"cluster": 2}, "gate: .* got cluster 2"),
+])
+def test_a_gated_product_refuses_what_cannot_pair_its_sums(shape, values, rule):
+    with pytest.raises(ConfigError, match="^" + rule):
+        OP.validate(OP.shape(**{"m": 256, "n": 256, "k": 256, **shape, "gate": "silu"}), OP.params_from_dict(values))

@@ -184,6 +184,9 @@ class OpFamily:
     # sizes fixed at generation over which stored entries are size classes: a shape with no entry of its own runs
     # the params of the entry dispatch.CLASS_RULE picks, compiled for its own sizes; (): every shape is its own
     class_dims: tuple[str, ...] = ()
+    # shape fields that change only what the kernel does with its sums (gemm_sm90: gate): where no entry matches a
+    # shape in them, an entry that differs there serves it too (dispatch.CLASS_RULE), its main loop being the same
+    epilogue_fields: tuple[str, ...] = ()
 
     def validate(self, shape: Any, params: Any) -> None:
         check_rules(self.rules, shape, params)

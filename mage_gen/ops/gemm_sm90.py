@@ -30,6 +30,13 @@ zero) are kernel arguments after B (launch_args); with split_k 1 the kernel is t
 operand's map is B's and its second A's, and it stores Cᵀ's (row, col) at C's (col, row), so that a few tokens take
 wgmma's narrow N rather than a mostly empty 64-row slab.
 
+`gate` silu (SwiGLU, an MLP's gate and up projections in one weight): B holds the gate's N/2 rows and then the up's
+N/2, and C (M × N/2) = silu(A·B_gateᵀ) ⊙ A·B_upᵀ. A tile's BN columns of B are BN/2 rows of each half (two TMA
+copies a stage, into one BN-row tile), so the thread that holds a gate sum holds its up sum, BN/2 columns on, and
+the epilogue multiplies them in registers: the M × N product never reaches memory, and nothing runs after the
+kernel. The main loop is the plain product's, so a gated shape with no entry of its own runs its plain weight's
+(dispatch.CLASS_RULE).
+
 The gate's tolerance: products of bf16 are exact in fp32, so the error is the fp32 accumulation over K (at most
 about K·2⁻²⁴ relative, far less in norm) and, for a bf16 C, one rounding to bf16 (its unit roundoff 2⁻⁸ bounds
 the relative norm): 2⁻²⁴·K + 1e-6, plus 2⁻⁸ where C is bf16.
@@ -53,6 +60,7 @@ PRECISIONS = ("bf16", "e4m3", "e4m3_block")
 ELEMENTS = {"bf16": BFLOAT16, "e4m3": E4M3, "e4m3_block": E4M3}  # what A and B hold, by precision
 SCALE_BLOCK = 128  # e4m3_block: a scale per row and 128 of K for A, per 128×128 block for B (DeepGEMM's layout)
 OUTPUTS = {"bf16": BFLOAT16, "fp32": FLOAT32}
+GATES = ("none", "silu")  # silu: C = silu(A·B_gateᵀ) ⊙ A·B_upᵀ, B the two halves' rows stacked
 B_LAYOUTS = ("nk", "kn")  # B as N×K row-major (C = A·Bᵀ), or K×N (C = A·B)
 MAX_DIM = 1 << 20
 ROW_BYTES = 128  # of K per stage in each row of an operand's tile: the 128-byte swizzle's span
@@ -94,6 +102,12 @@ class Shape:
     precision: str = "bf16"
     c_dtype: str = "bf16"  # C's element type
     b_layout: str = "nk"
+    gate: str = "none"
+
+    @property
+    def c_cols(self) -> int:
+        """Columns of C: N, or gated the N/2 that each pair a gate row of B with an up row."""
+        return self.n // 2 if self.gate != "none" else self.n
 
     @property
     def lda(self) -> int:
@@ -249,6 +263,11 @@ def hilbert_order(rows: int, cols: int) -> list[tuple[int, int]]:
     return cells
 
 
+def out_bn(shape: Shape, p: Params) -> int:
+    """Columns of C a tile stores: BN, or gated BN/2 (a gate and an up sum make one)."""
+    return p.bn // 2 if shape.gate != "none" else p.bn
+
+
 def _accumulators(p: Params) -> int:
     """Floats of C a consumer thread holds: BN/2 for each 64-row slab of its rows."""
     return consumer_rows(p) // 64 * p.bn // 2
@@ -260,13 +279,17 @@ def consumer_regs(p: Params) -> int:
 
 
 def epilogue(shape: Shape, p: Params) -> str:
-    """How the kernel stores C: as asked, except that a TMA store needs rows of C on 16 bytes."""
-    return "direct" if (shape.n * OUTPUTS[shape.c_dtype].itemsize) % 16 else p.epilogue
+    """How the kernel stores C: as asked, except that a TMA store needs rows of C on 16 bytes and, gated, a tile of C
+    (BN/2 columns) of whole 128-byte boxes, so that a plain product's params serve its gated form."""
+    item = OUTPUTS[shape.c_dtype].itemsize
+    if (shape.c_cols * item) % 16 or (out_bn(shape, p) * item) % 128:
+        return "direct"
+    return p.epilogue
 
 
 def c_pairs(shape: Shape, p: Params) -> bool:
-    """Whether registers store C two elements at a time: rows of even N, not transposed (swap)."""
-    return shape.n % 2 == 0 and not p.swap
+    """Whether registers store C two elements at a time: rows of an even length, not transposed (swap)."""
+    return shape.c_cols % 2 == 0 and not p.swap
 
 
 def _scale_shapes(shape: Shape) -> dict[str, tuple[int, ...]]:
@@ -292,7 +315,7 @@ def _block_scaled(shape: Shape, a: np.ndarray, b: np.ndarray, scale_a: np.ndarra
 
 def _shared_bytes(shape: Shape, p: Params) -> int:
     out = OUTPUTS[shape.c_dtype]
-    staging = p.consumers * consumer_rows(p) * p.bn * out.itemsize if epilogue(shape, p) == "tma" else 0
+    staging = p.consumers * consumer_rows(p) * out_bn(shape, p) * out.itemsize if epilogue(shape, p) == "tma" else 0
     order = 16 if p.schedule == "pingpong" else 0  # the consumers' two turn barriers
     flags = 8 if p.split_k > 1 else 0  # split K: each tile's consumers agree there on which unit arrived last
     return 1024 + p.stages * (p.bm + p.bn) * ROW_BYTES + staging + 2 * 8 * p.stages + order + flags  # 1024: to align
@@ -305,6 +328,11 @@ _SHAPE_RULES = (
     Rule("c-dtype", lambda s: s.c_dtype in OUTPUTS, lambda s: f"c_dtype (C's element type) is one of {tuple(OUTPUTS)}, got {s.c_dtype!r}"),
     Rule("b-layout", lambda s: s.b_layout in B_LAYOUTS,
          lambda s: f"b_layout is one of {B_LAYOUTS} (nk: B as N×K, an nn.Linear weight; kn: K×N), got {s.b_layout!r}"),
+    Rule("gate", lambda s: s.gate in GATES, lambda s: f"gate is one of {GATES}, got {s.gate!r}"),
+    Rule("gate", lambda s: s.gate == "none" or (s.n % 2 == 0 and s.b_layout == "nk" and s.precision != "e4m3_block"),
+         lambda s: f"gate {s.gate} pairs the gate's rows of an N×K B (b_layout nk) with the up's, N/2 apart: N must be "
+                   f"even, and per-block scales are not taken; got N={s.n}, b_layout {s.b_layout}, precision "
+                   f"{s.precision}"),
 )
 
 
@@ -360,7 +388,8 @@ _RULES: tuple[Rule, ...] = (
                       "smaller tile or more consumers"),
     Rule("inflight", lambda s, p: p.inflight in (0, 1), lambda s, p: f"inflight is 0 or 1 wgmma groups, got {p.inflight}"),
     Rule("epilogue", lambda s, p: p.epilogue in EPILOGUES, lambda s, p: f"epilogue is one of {EPILOGUES}, got {p.epilogue!r}"),
-    Rule("epilogue", lambda s, p: p.epilogue != "tma" or (p.bn * OUTPUTS[s.c_dtype].itemsize) % 128 == 0,
+    # (gated, a tile of C that is not whole boxes is stored from registers instead: epilogue())
+    Rule("epilogue", lambda s, p: p.epilogue != "tma" or s.gate != "none" or (p.bn * OUTPUTS[s.c_dtype].itemsize) % 128 == 0,
          lambda s, p: f"the TMA store writes C in boxes of 128 bytes of a row: bn={p.bn} {s.c_dtype} elements must be "
                       f"a multiple of {128 // OUTPUTS[s.c_dtype].itemsize}; use epilogue direct"),
     Rule("grid", lambda s, p: p.grid >= 0, lambda s, p: f"grid is a number of CTAs (0: one per tile), got {p.grid}"),
@@ -372,6 +401,10 @@ _RULES: tuple[Rule, ...] = (
     Rule("swap", lambda s, p: not p.swap or (s.b_layout == "nk" and p.epilogue == "direct" and p.cluster == 1),
          lambda s, p: "swap (Cᵀ = B·Aᵀ) takes B N×K (nk), epilogue direct and cluster 1, got "
                       f"b_layout {s.b_layout}, epilogue {p.epilogue}, cluster {p.cluster}"),
+    # gated, a stage's B tile is two copies of BN/2 rows, one of each half, and a thread pairs its own sums
+    Rule("gate", lambda s, p: s.gate == "none" or (not p.swap and p.cluster == 1),
+         lambda s, p: f"gate {s.gate} pairs sums a thread holds: it takes no swap and cluster 1, got "
+                      f"{'swap, ' if p.swap else ''}cluster {p.cluster}"),
     Rule("shared-memory", lambda s, p: _shared_bytes(s, p) <= MAX_SHARED_BYTES,
          lambda s, p: f"{p.stages} stages of {p.bm}×{s.bk} and {p.bn}×{s.bk}"
                       + (" and the C staging tile" if epilogue(s, p) == "tma" else "")
@@ -400,24 +433,28 @@ class GemmSm90(OpFamily):
     shape_dims = ("m", "n", "k")
     run_dims: tuple[str, ...] = ()
     run_defaults: dict[str, int] = {}
-    shape_options = ("precision", "c_dtype", "b_layout")
+    shape_options = ("precision", "c_dtype", "b_layout", "gate")
     min_arch = 90
     peer_builder = LazyFunction("mage_gen.peers", "strided_bf16_gemm_peers")
     runtime_name = "mage_gen.runtime.gemm"
     torch_name = "mage_gen.torch.linear"
     class_dims = ("m",)  # a model calls a layer's (N, K) at every token count: its entries are classes over M
+    epilogue_fields = ("gate",)
     field_help = {"m": "rows of A and C", "n": "columns of C", "k": "columns of A",
                   "precision": "bf16, e4m3 (fp8; C = scale_a·scale_b·A·Bᵀ, B N×K) or e4m3_block (fp8 with scales per "
                                "1×128 of A and 128×128 of B) (what A and B are; c_dtype is C's)",
                   "c_dtype": "C's element type: bf16 or fp32",
-                  "b_layout": "nk (B N×K, C = A·Bᵀ) or kn (B K×N, C = A·B)"}
+                  "b_layout": "nk (B N×K, C = A·Bᵀ) or kn (B K×N, C = A·B)",
+                  "gate": "none, or silu: B is a gate's N/2 rows over an up's, C (M × N/2) = silu(A·B_gateᵀ) ⊙ "
+                          "A·B_upᵀ (SwiGLU)"}
 
-    def shape(self, m: int, n: int, k: int, precision: str = "bf16", c_dtype: str = "bf16", b_layout: str = "nk") -> Shape:
+    def shape(self, m: int, n: int, k: int, precision: str = "bf16", c_dtype: str = "bf16", b_layout: str = "nk",
+              gate: str = "none") -> Shape:
         for name, value in (("m", m), ("n", n), ("k", k)):
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_DIM:
                 raise ConfigError(f"{name}-range: {name} must be a whole number in 1..{MAX_DIM}, got {value!r}; "
                                   f"give it as --{name}")
-        shape = Shape(m, n, k, precision, c_dtype, b_layout)
+        shape = Shape(m, n, k, precision, c_dtype, b_layout, gate)
         check_rules(_SHAPE_RULES, shape)
         return shape
 
@@ -481,8 +518,10 @@ class GemmSm90(OpFamily):
         element = "bfloat16" if shape.precision == "bf16" else "uint8"  # TMA moves e4m3 codes as bytes
         bk, item = shape.bk, shape.element.itemsize
         row = shape.lda * item
-        # each CTA of a cluster copies its share of the B tile's rows (nk), or of its 64-column boxes (kn)
-        b = (TensorMapSpec("B", element, (shape.k, shape.n), (row,), (bk, p.bn // self.b_sharers(p)), SWIZZLE, 256)
+        # each CTA of a cluster copies its share of the B tile's rows (nk), or of its 64-column boxes (kn); gated, a
+        # copy is the BN/2 rows of one half
+        b_box_rows = p.bn // self.b_sharers(p) // (2 if shape.gate != "none" else 1)
+        b = (TensorMapSpec("B", element, (shape.k, shape.n), (row,), (bk, b_box_rows), SWIZZLE, 256)
              if shape.b_layout == "nk" else
              TensorMapSpec("B", element, (shape.n, shape.k), (shape.ldb * item,), (64, bk), SWIZZLE, 256))
         maps = {"tma_a": TensorMapSpec("A", element, (shape.k, shape.m), (row,), (bk, p.bm // _shares(p)[0]),
@@ -492,7 +531,7 @@ class GemmSm90(OpFamily):
             maps = {"tma_a": TensorMapSpec("B", element, (shape.k, shape.n), (row,), (bk, p.bm), SWIZZLE, 256),
                     "tma_b": TensorMapSpec("A", element, (shape.k, shape.m), (row,), (bk, p.bn), SWIZZLE, 256)}
         if epilogue(shape, p) == "tma":
-            maps["tma_c"] = TensorMapSpec("C", out.name, (shape.n, shape.m), (shape.n * out.itemsize,),
+            maps["tma_c"] = TensorMapSpec("C", out.name, (shape.c_cols, shape.m), (shape.c_cols * out.itemsize,),
                                           (128 // out.itemsize, consumer_rows(p)), SWIZZLE, 0)
         return maps
 
@@ -517,7 +556,7 @@ class GemmSm90(OpFamily):
         product = computed(shape, p)
         units_m, units_n = _units(shape, p)
         stage_bytes = (p.bm + p.bn) * ROW_BYTES
-        c_stage = p.consumers * consumer_rows(p) * p.bn * out.itemsize if epilogue(shape, p) == "tma" else 0
+        c_stage = p.consumers * consumer_rows(p) * out_bn(shape, p) * out.itemsize if epilogue(shape, p) == "tma" else 0
         share_a = _shares(p)[0]
         return dict(
             M=product.m, N=product.n, K=shape.k, BM=p.bm, BN=p.bn, BK=shape.bk, STAGES=p.stages, CONSUMERS=p.consumers,
@@ -535,7 +574,10 @@ class GemmSm90(OpFamily):
             AB_PTX=shape.element.ptx, AB_TYPE=shape.element.c_type, SCALED=shape.precision != "bf16",
             BLOCK=shape.precision == "e4m3_block", N_BLOCKS=-(-shape.n // SCALE_BLOCK),
             C_STAGE_AT=p.stages * stage_bytes, C_STAGE_BYTES=c_stage, BARRIERS_AT=p.stages * stage_bytes + c_stage,
-            C_BOX_COLS=128 // out.itemsize, C_BOX_BYTES=consumer_rows(p) * 128, C_BOXES=p.bn * out.itemsize // 128,
+            C_BOX_COLS=128 // out.itemsize, C_BOX_BYTES=consumer_rows(p) * 128, C_BOXES=out_bn(shape, p) * out.itemsize // 128,
+            # C's row length and a tile's columns of it, and gated the row of B where the up half starts
+            C_COLS=shape.c_cols if not p.swap else product.n, OUT_BN=out_bn(shape, p), GATE=shape.gate != "none",
+            UP_ROWS_AT=shape.n // 2,
             C_TYPE=out.c_type, C_PTX=out.ptx, C_PAIRS=c_pairs(shape, p), SWAP=p.swap,
             ORDER=p.order, GROUP=p.group, PRODUCER_REGS=p.producer_regs, CONSUMER_REGS=consumer_regs(p),
             INFLIGHT=p.inflight, EPILOGUE=epilogue(shape, p), WATCHDOG_NS=p.watchdog_ms * 1_000_000, PLANT=p.plant,
@@ -554,10 +596,12 @@ class GemmSm90(OpFamily):
         return render("gemm_sm90/ws.cu.j2", self.context(shape, p), self.kernel_name(shape, p), p)
 
     def slug(self, shape: Shape) -> str:
-        return f"{shape.precision}_{shape.b_layout}_{shape.c_dtype}_m{shape.m}_n{shape.n}_k{shape.k}"
+        gate = f"_g{shape.gate}" if shape.gate != "none" else ""
+        return f"{shape.precision}_{shape.b_layout}_{shape.c_dtype}{gate}_m{shape.m}_n{shape.n}_k{shape.k}"
 
     def shape_key(self, shape: Shape) -> str:
-        return f"m={shape.m},n={shape.n},k={shape.k}/{shape.precision}/{shape.b_layout}/{shape.c_dtype}"
+        gate = f"/gate={shape.gate}" if shape.gate != "none" else ""
+        return f"m={shape.m},n={shape.n},k={shape.k}/{shape.precision}/{shape.b_layout}/{shape.c_dtype}{gate}"
 
     # ---- data ----
     def args(self, shape: Shape) -> tuple[Arg, ...]:
@@ -598,7 +642,7 @@ class GemmSm90(OpFamily):
         return inputs
 
     def output_shapes(self, shape: Shape, run: dict[str, int]) -> dict[str, tuple[int, ...]]:
-        return {"C": (shape.m, shape.n)}
+        return {"C": (shape.m, shape.c_cols)}
 
     def output_dtypes(self, shape: Shape) -> dict[str, DType]:
         return {"C": OUTPUTS[shape.c_dtype]}
@@ -606,8 +650,10 @@ class GemmSm90(OpFamily):
     def tolerance_of(self, shape: Shape, output: str, dtype: DType) -> float:
         """bf16: products exact in fp32, the sum's error at most about K·2⁻²⁴. e4m3: products exact too, but the
         tensor cores sum fp8 products in fewer bits than fp32 (about 14 kept, DeepGEMM's finding), a random walk of K
-        such roundings: 2⁻¹³·√K. Then one rounding of C to bf16 (2⁻⁸ relative, twice for margin)."""
+        such roundings: 2⁻¹³·√K. Then one rounding of C to bf16 (2⁻⁸ relative, twice for margin). Gated, C is a product
+        of two sums, each with that error (silu's slope is at most 1.1): twice the sums' share."""
         accumulation = (2.0**-13 * shape.k ** 0.5 if shape.precision != "bf16" else 2.0**-24 * shape.k) + self.tolerance
+        accumulation *= 2 if shape.gate != "none" else 1
         return accumulation + (2 * dtype.unit_roundoff if dtype.itemsize == 2 else 0.0)
 
     def reference(self, shape: Shape, inputs: dict[str, np.ndarray], scalars: dict[str, int | float]) -> dict[str, np.ndarray]:
@@ -618,16 +664,21 @@ class GemmSm90(OpFamily):
                                        inputs["scale_a"], inputs["scale_b"])}
         if shape.precision == "e4m3":  # the scales as the kernel applies them: their fp32 product
             a = a * float(np.float32(inputs["scale_a"][0]) * np.float32(inputs["scale_b"][0]))
-        if shape.b_layout == "nk":
-            return {"C": product64(a, element.widen(inputs["B"][:, :shape.k]).astype(np.float64).T)}
-        return {"C": product64(a, element.widen(inputs["B"][:, :shape.n]).astype(np.float64))}
+        if shape.b_layout == "kn":
+            return {"C": product64(a, element.widen(inputs["B"][:, :shape.n]).astype(np.float64))}
+        c = product64(a, element.widen(inputs["B"][:, :shape.k]).astype(np.float64).T)
+        if shape.gate == "silu":
+            gate, up = c[:, :shape.c_cols], c[:, shape.c_cols:]
+            with np.errstate(over="ignore"):  # exp(-gate) is inf far below zero, where silu is -0
+                return {"C": gate / (1 + np.exp(-gate)) * up}
+        return {"C": c}
 
     def gate_runs(self, shape: Shape, run: dict[str, int], params: Params) -> list[dict[str, int]]:
         return [{}]
 
     def bytes_moved(self, shape: Shape, run: dict[str, int]) -> int:
         return (shape.element.itemsize * (shape.m + shape.n) * shape.k  # either layout
-                + OUTPUTS[shape.c_dtype].itemsize * shape.m * shape.n)
+                + OUTPUTS[shape.c_dtype].itemsize * shape.m * shape.c_cols)
 
     def flops(self, shape: Shape) -> int:
         return 2 * shape.m * shape.n * shape.k
@@ -647,8 +698,10 @@ class GemmSm90(OpFamily):
              else operand(shape.k, shape.n, shape.ldb, "K×N: C = A·B"))
 
         return {
-            "tensors": {"C": {"dtype": out.name, "shape": [shape.m, shape.n],
-                              "layout": f"row-major, contiguous, row stride {shape.n} elements",
+            "tensors": {"C": {"dtype": out.name, "shape": [shape.m, shape.c_cols],
+                              "layout": f"row-major, contiguous, row stride {shape.c_cols} elements"
+                                        + (f"; silu(A·B[:{shape.c_cols}]ᵀ) ⊙ A·B[{shape.c_cols}:]ᵀ"
+                                           if shape.gate != "none" else ""),
                               "alignment_bytes": c_align},
                         "A": operand(shape.m, shape.k, shape.lda, "M×K"), "B": b,
                         **{name: {"dtype": "float32", "shape": list(size),
