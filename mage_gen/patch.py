@@ -10,9 +10,12 @@ measured winner, never a default config:
 - nn.RMSNorm, nn.LayerNorm over their last dimension, and RMSNorm modules of the Hugging Face kind (a class named
   *RMSNorm with a 1-D weight and `variance_epsilon` or `eps`), whose d has a tuned norm entry -> mage_gen.torch's
 
-Under torch.compile, an add whose sum feeds one of these norms is fused with it (FuseResidualNorms, a post-grad
-pass of Inductor): x + r -> norm becomes the residual form, one kernel that writes both the sum and the norm, as
-Inductor fuses them itself for torch's norms.
+Under torch.compile, an Inductor post-grad pass (Fusions) fuses what a custom op would keep apart:
+- an add whose sum feeds one of these norms (fuse_residual_norms): x + r -> norm becomes the residual form, one
+  kernel that writes both the sum and the norm, as Inductor fuses them itself for torch's norms;
+- a routed linear whose product is split in halves that only feed silu(first) * second, SwiGLU over a fused
+  gate_up weight (fuse_gated_linears): one gated kernel (mage_gen.torch.linear(..., gate="silu")) computes it
+  from the sums, and the product is never written nor read back.
 """
 
 from __future__ import annotations
@@ -155,43 +158,164 @@ def _swap(module: nn.Module, gemm: set[tuple[int, int]], norm_ds: dict[str, set[
     return None, ""
 
 
-class FuseResidualNorms(CustomGraphPass):
-    """add(x, r) feeding mage_gen::rms_norm (layer_norm) -> their residual form, whose second output takes the
-    sum's other uses. Only where x, r and the sum have one shape and dtype and are contiguous, and the norm's other
-    arguments exist where the sum is made; then runs the pass it was installed over, if any."""
+class Fusions(CustomGraphPass):
+    """Inductor's post-grad pass: fuse_gated_linears, fuse_residual_norms, then the pass it was installed over, if
+    any."""
 
     def __init__(self, then: Any = None):
         self.then = then
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        fused = {torch.ops.mage_gen.rms_norm.default: torch.ops.mage_gen.rms_norm_residual.default,
-                 torch.ops.mage_gen.layer_norm.default: torch.ops.mage_gen.layer_norm_residual.default}
-        order = {node: i for i, node in enumerate(graph.nodes)}
-        for norm in list(graph.nodes):
-            residual_form = fused.get(norm.target) if norm.op == "call_function" else None
-            total = norm.args[0] if residual_form is not None else None
-            if not _fusable_sum(total) or any(isinstance(a, torch.fx.Node) and order[a] > order[total]
-                                              for a in norm.args[1:]):
-                continue
-            with graph.inserting_after(total):
-                pair = graph.call_function(residual_form, (*total.args, *norm.args[1:]))
-            with graph.inserting_after(pair):
-                y = graph.call_function(operator.getitem, (pair, 0))
-            with graph.inserting_after(y):
-                h = graph.call_function(operator.getitem, (pair, 1))
-            pair.meta["val"] = (norm.meta["val"], total.meta["val"])
-            y.meta["val"], h.meta["val"] = norm.meta["val"], total.meta["val"]
-            norm.replace_all_uses_with(y)
-            total.replace_all_uses_with(h)
-            graph.erase_node(norm)
-            graph.erase_node(total)
-            order = {node: i for i, node in enumerate(graph.nodes)}
+        fuse_gated_linears(graph)
+        fuse_residual_norms(graph)
         if self.then is not None:
             self.then(graph)
 
     def uuid(self) -> Any:
         mine = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
         return (mine, self.then.uuid() if isinstance(self.then, CustomGraphPass) else repr(self.then))
+
+
+def fuse_residual_norms(graph: torch.fx.Graph) -> None:
+    """add(x, r) feeding mage_gen::rms_norm (layer_norm) -> their residual form, whose second output takes the
+    sum's other uses. Only where x, r and the sum have one shape and dtype and are contiguous, and the norm's other
+    arguments exist where the sum is made."""
+    fused = {torch.ops.mage_gen.rms_norm.default: torch.ops.mage_gen.rms_norm_residual.default,
+             torch.ops.mage_gen.layer_norm.default: torch.ops.mage_gen.layer_norm_residual.default}
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    for norm in list(graph.nodes):
+        residual_form = fused.get(norm.target) if norm.op == "call_function" else None
+        total = norm.args[0] if residual_form is not None else None
+        if not _fusable_sum(total) or any(isinstance(a, torch.fx.Node) and order[a] > order[total]
+                                          for a in norm.args[1:]):
+            continue
+        with graph.inserting_after(total):
+            pair = graph.call_function(residual_form, (*total.args, *norm.args[1:]))
+        with graph.inserting_after(pair):
+            y = graph.call_function(operator.getitem, (pair, 0))
+        with graph.inserting_after(y):
+            h = graph.call_function(operator.getitem, (pair, 1))
+        pair.meta["val"] = (norm.meta["val"], total.meta["val"])
+        y.meta["val"], h.meta["val"] = norm.meta["val"], total.meta["val"]
+        norm.replace_all_uses_with(y)
+        total.replace_all_uses_with(h)
+        graph.erase_node(norm)
+        graph.erase_node(total)
+        order = {node: i for i, node in enumerate(graph.nodes)}
+
+
+# mage_gen::linear's arguments in order, with their defaults
+_LINEAR_ARGS = (("x", None), ("weight", None), ("bias", None), ("scale_x", None), ("scale_weight", None),
+                ("cublas_where_faster", False), ("gate", "none"))
+
+
+def fuse_gated_linears(graph: torch.fx.Graph) -> None:
+    """mul(silu(g), u), where g and u are the first and second halves (along the last dimension) of a
+    mage_gen::linear product with no bias and no other use -> mage_gen::linear(..., gate="silu") of the same x
+    and weight, one kernel. silu as Inductor's decompositions leave it (x / (1 + exp(-x)), with dtype conversions
+    around it), as x·sigmoid(x), or whole; every node between the product and the mul must have no other use."""
+    aten = torch.ops.aten
+    for mul in list(graph.nodes):
+        if not (mul.op == "call_function" and mul.target is aten.mul.Tensor and len(mul.args) == 2
+                and all(isinstance(a, torch.fx.Node) for a in mul.args)):
+            continue
+        for act, up in (mul.args, mul.args[::-1]):
+            found = _silu_input(act)
+            if found is None:
+                continue
+            gate_half, chain = found
+            linear = _halves_of(gate_half, up)
+            if linear is None or not _only_feeds([*chain, gate_half, up], {mul}):
+                continue
+            values = _linear_values(linear)
+            if values["bias"] is not None or values["gate"] != "none":
+                continue
+            with graph.inserting_before(mul):
+                gated = graph.call_function(torch.ops.mage_gen.linear.default,
+                                            tuple({**values, "gate": "silu"}.values()))
+            gated.meta["val"] = mul.meta["val"]
+            mul.replace_all_uses_with(gated)
+            graph.erase_node(mul)
+            for node in [*chain, gate_half, up, *{n for h in (gate_half, up) for n in h.args[:1]}, linear]:
+                if node.graph is graph and not node.users:
+                    graph.erase_node(node)
+            break
+
+
+def _linear_values(node: torch.fx.Node) -> dict[str, Any]:
+    given = dict(zip((name for name, _ in _LINEAR_ARGS), node.args)) | dict(node.kwargs)
+    return {name: given.get(name, default) for name, default in _LINEAR_ARGS}
+
+
+def _silu_input(node: Any) -> tuple[Any, list[torch.fx.Node]] | None:
+    """(g, the nodes that compute silu(g) from it) where node is silu(g) in one of the forms fuse_gated_linears
+    knows; else None."""
+    aten = torch.ops.aten
+    node, chain = _past_conversions(node, [])
+    if not (isinstance(node, torch.fx.Node) and node.op == "call_function"):
+        return None
+    chain.append(node)
+    if node.target is aten.silu.default:
+        return _past_conversions(node.args[0], chain)
+    if node.target is aten.div.Tensor and len(node.args) == 2:  # g / (1 + exp(-g))
+        g, denominator = node.args
+        one_plus = denominator if isinstance(denominator, torch.fx.Node) else None
+        if not (one_plus is not None and one_plus.target is aten.add.Tensor and 1 in one_plus.args[1:]):
+            return None
+        exp = one_plus.args[0]
+        if not (isinstance(exp, torch.fx.Node) and exp.target is aten.exp.default):
+            return None
+        neg = exp.args[0]
+        if not (isinstance(neg, torch.fx.Node) and neg.target is aten.neg.default and neg.args[0] is g):
+            return None
+        chain += [one_plus, exp, neg]
+        return _past_conversions(g, chain)
+    if node.target is aten.mul.Tensor and len(node.args) == 2:  # g · sigmoid(g)
+        for g, sigmoid in (node.args, node.args[::-1]):
+            if (isinstance(sigmoid, torch.fx.Node) and sigmoid.target is aten.sigmoid.default
+                    and sigmoid.args[0] is g):
+                return _past_conversions(g, [*chain, sigmoid])
+    return None
+
+
+def _past_conversions(g: Any, chain: list[torch.fx.Node]) -> tuple[Any, list[torch.fx.Node]]:
+    """(g past the dtype conversions Inductor puts around it, chain with those conversions added)."""
+    while (isinstance(g, torch.fx.Node) and g.op == "call_function"
+           and g.target is torch.ops.prims.convert_element_type.default):
+        chain.append(g)
+        g = g.args[0]
+    return g, chain
+
+
+def _halves_of(gate_half: Any, up_half: Any) -> torch.fx.Node | None:
+    """The mage_gen::linear whose product's first half (last dimension) gate_half is and second half up_half is, as
+    getitem 0 and 1 of one split in two equal parts; else None."""
+    if not all(isinstance(h, torch.fx.Node) and h.target is operator.getitem for h in (gate_half, up_half)):
+        return None
+    split = gate_half.args[0]
+    if up_half.args[0] is not split or (gate_half.args[1], up_half.args[1]) != (0, 1):
+        return None
+    aten = torch.ops.aten
+    if not (isinstance(split, torch.fx.Node) and split.target in (aten.split.Tensor, aten.split_with_sizes.default)):
+        return None
+    product = split.args[0]
+    if not (isinstance(product, torch.fx.Node) and product.target is torch.ops.mage_gen.linear.default):
+        return None
+    value = product.meta.get("val")
+    if not isinstance(value, torch.Tensor) or value.dim() < 1:
+        return None
+    n, dim = value.shape[-1], split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    sizes = split.args[1]
+    halves = sizes == n // 2 if isinstance(sizes, int) else list(sizes) == [n // 2, n // 2]
+    if not (n % 2 == 0 and halves and dim in (-1, value.dim() - 1)):
+        return None
+    return product if _only_feeds([product], {split}) and _only_feeds([split], {gate_half, up_half}) else None
+
+
+def _only_feeds(nodes: list[torch.fx.Node], allowed: set[torch.fx.Node]) -> bool:
+    """Every use of these nodes is by one of them or by `allowed`."""
+    inside = set(nodes) | allowed
+    return all(user in inside for node in nodes for user in node.users)
 
 
 def _fusable_sum(node: Any) -> bool:
@@ -205,9 +329,9 @@ def _fusable_sum(node: Any) -> bool:
 
 
 def install_fusion() -> None:
-    """Inductor's post-grad pass runs FuseResidualNorms, before any pass installed there already (once)."""
+    """Inductor's post-grad pass runs Fusions, before any pass installed there already (once)."""
     import torch._inductor.config as inductor
 
     current = inductor.post_grad_custom_pre_pass
-    if not isinstance(current, FuseResidualNorms):
-        inductor.post_grad_custom_pre_pass = FuseResidualNorms(then=current)
+    if not isinstance(current, Fusions):
+        inductor.post_grad_custom_pre_pass = Fusions(then=current)

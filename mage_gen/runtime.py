@@ -169,7 +169,7 @@ def matmul(c: int, a: int, b: int, m: int, n: int, k: int, stream: int = 0, *, d
 
 def gemm(c: int, a: int, b: int, m: int, n: int, k: int, stream: int = 0, *, device: int = 0,
          c_dtype: str = "bf16", b_layout: str = "nk", precision: str = "bf16", scale_a: int = 0,
-         scale_b: int = 0) -> None:
+         scale_b: int = 0, gate: str = "none") -> None:
     """C = A·Bᵀ (b_layout nk: B N×K, an nn.Linear weight) or C = A·B (kn: B K×N) on Hopper's tensor cores (op
     gemm_sm90): A (m×k) and B bfloat16, C (m×n) c_dtype (bf16 or fp32), all row-major, for an (n, k) tuned on this
     GPU at some M: the entry tuned at the nearest M (dispatch.CLASS_RULE) runs, compiled for this m (once; NVRTC
@@ -177,10 +177,12 @@ def gemm(c: int, a: int, b: int, m: int, n: int, k: int, stream: int = 0, *, dev
     to 16 bytes apart, C's n; A and B start on 16 bytes (TMA), C on its element pairs (16 bytes where the kernel
     stores C by TMA). precision e4m3: A and B fp8 (B N×K), C = scale_a·scale_b·A·Bᵀ with scale_a and scale_b the
     addresses of one fp32 each, as torch._scaled_mm; e4m3_block: of DeepGEMM's fp32 block scales, A's M × ⌈K/128⌉
-    and B's ⌈N/128⌉ × ⌈K/128⌉, row-major. A split-K winner gets its workspace and counters from the
+    and B's ⌈N/128⌉ × ⌈K/128⌉, row-major. gate silu (B N×K): B's first n/2 rows are a gate's, the rest an up's,
+    and C is m × n/2: silu(A·B_gateᵀ) ⊙ A·B_upᵀ (SwiGLU); with no entry of its own it runs the plain product's
+    entry for (n, k). A split-K winner gets its workspace and counters from the
     runtime, one set per stream: launches on two streams at once never share them."""
-    dims = {"m": m, "n": n, "k": k, "precision": precision, "c_dtype": c_dtype, "b_layout": b_layout}
-    shape = _gemm_shape(m, n, k, precision, c_dtype, b_layout)  # before any call to the driver
+    dims = {"m": m, "n": n, "k": k, "precision": precision, "c_dtype": c_dtype, "b_layout": b_layout, "gate": gate}
+    shape = _gemm_shape(m, n, k, precision, c_dtype, b_layout, gate)  # before any call to the driver
     if not (a and b and c) or (a | b) % TMA_ALIGNMENT:
         check_alignment("gemm_sm90", {"C": 1, "A": TMA_ALIGNMENT, "B": TMA_ALIGNMENT}, {"C": c, "A": a, "B": b})
     pointers = {"C": c, "A": a, "B": b}
@@ -190,7 +192,7 @@ def gemm(c: int, a: int, b: int, m: int, n: int, k: int, stream: int = 0, *, dev
     elif scale_a or scale_b:
         raise LaunchError(f"gemm_sm90: scale_a and scale_b multiply an e4m3 product; a {precision} one takes none")
     item = shape.element.itemsize
-    _check_disjoint(c, m * n * (4 if c_dtype == "fp32" else 2), a, _extent(m, k, shape.lda * item, item), b,
+    _check_disjoint(c, m * shape.c_cols * (4 if c_dtype == "fp32" else 2), a, _extent(m, k, shape.lda * item, item), b,
                     _extent(shape.b_rows, k if b_layout == "nk" else n, shape.ldb * item, item))
     launch("gemm_sm90", dims, {}, pointers, {}, stream, device=device, tuned_only=True)
 
@@ -209,11 +211,12 @@ def _check_disjoint(c: int, c_bytes: int, a: int, a_bytes: int, b: int, b_bytes:
 
 
 @lru_cache(maxsize=256)
-def _gemm_shape(m: int, n: int, k: int, precision: str, c_dtype: str, b_layout: str) -> Any:
+def _gemm_shape(m: int, n: int, k: int, precision: str, c_dtype: str, b_layout: str, gate: str) -> Any:
     """The op's shape, or a refusal of sizes, a precision, a C type or a B layout the kernel cannot take (checked
     once per shape: a refusal is not kept)."""
     try:
-        return get_op("gemm_sm90").shape(m=m, n=n, k=k, precision=precision, c_dtype=c_dtype, b_layout=b_layout)
+        return get_op("gemm_sm90").shape(m=m, n=n, k=k, precision=precision, c_dtype=c_dtype, b_layout=b_layout,
+                                         gate=gate)
     except ConfigError as exc:
         raise LaunchError(f"gemm_sm90: {exc}") from None
 

@@ -6,6 +6,7 @@
     y, h = rms_norm(x, weight, residual=r)      # h = x + r (rounded as torch rounds it), y = rms_norm(h)
     y = linear(x, weight, bias=None)            # x: (..., K), weight: (N, K) bf16 CUDA, an (N, K) tuned at some M
     y = linear(x8, w8, scale_x=sx, scale_weight=sw)  # fp8 e4m3 with per-tensor scales, as torch._scaled_mm
+    a = linear(x, gate_up, gate="silu")         # silu(x·W_gateᵀ) ⊙ x·W_upᵀ, gate_up = [W_gate; W_up], one kernel
     c = matmul(a, b)                            # a: (M, K), b: (K, N): float32 at a tuned (M, N, K); bf16 as linear
     routes = patch(model)                       # a model's linear layers and norms, where tuned, in place
 
@@ -29,6 +30,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from mage_gen import gpu, runtime
 from mage_gen.errors import ConfigError, GpuError, LaunchError
 from mage_gen.ops import Op, get_op
+from mage_gen.ops.gemm_sm90 import GATES as _GATES
 from mage_gen.ops.layernorm import MAX_ROWS
 
 # Looked up once: an eager call's checks and launch are a good part of its cost at small sizes.
@@ -328,8 +330,10 @@ def _check_gemm(fn: str, m: int, n: int, k: int, b_layout: str, precision: str =
 
 
 def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  scale_x: torch.Tensor | None = None, scale_weight: torch.Tensor | None = None) -> tuple[int, int, int]:
-    """(M, N, K) of F.linear(x, weight, bias) (fp8: scaled) for the Hopper kernel, or an error naming the argument."""
+                  scale_x: torch.Tensor | None = None, scale_weight: torch.Tensor | None = None,
+                  gate: str = "none") -> tuple[int, int, int]:
+    """(M, N, K) of F.linear(x, weight, bias) (fp8: scaled; gated: N the weight's rows) for the Hopper kernel, or an
+    error naming the argument."""
     fn = _GEMM.torch_name
     _check_tensor(fn, "x", x, dtypes=(_bfloat16, _float8))
     _check_tensor(fn, "weight", weight, x.device, dtypes=(x.dtype,))
@@ -355,6 +359,13 @@ def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             raise LaunchError(f"{fn}: bias must have shape ({n},), one per output feature, got {tuple(bias.shape)}")
     if n < 1 or k < 1:
         raise LaunchError(f"{fn}: weight {tuple(weight.shape)} is empty; N and K must be at least 1")
+    if gate != "none":
+        if gate not in _GATES:
+            raise LaunchError(f"{fn}: gate is one of {_GATES}, got {gate!r}")
+        if bias is not None or n % 2:
+            raise LaunchError(f"{fn}: gate {gate} takes a weight of an even number of rows (the gate's, then the "
+                              f"up's) and no bias, got {n} rows{' and a bias' if bias is not None else ''}; add a "
+                              "bias to the product before the gate with gate='none' and torch")
     m = x.numel() // k
     if m:
         _check_gemm(fn, m, n, k, "nk", "e4m3" if fp8 else "bf16")
@@ -364,39 +375,44 @@ def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 @torch.library.custom_op("mage_gen::linear", mutates_args=())
 def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                scale_x: Optional[torch.Tensor] = None, scale_weight: Optional[torch.Tensor] = None,
-               cublas_where_faster: bool = False) -> torch.Tensor:
-    return _linear_impl(x, weight, bias, scale_x, scale_weight, cublas_where_faster)
+               cublas_where_faster: bool = False, gate: str = "none") -> torch.Tensor:
+    return _linear_impl(x, weight, bias, scale_x, scale_weight, cublas_where_faster, gate)
 
 
 @_linear_op.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], scale_x: Optional[torch.Tensor] = None,
-      scale_weight: Optional[torch.Tensor] = None, cublas_where_faster: bool = False) -> torch.Tensor:
-    _check_linear(x, weight, bias, scale_x, scale_weight)
-    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=_bfloat16)
+      scale_weight: Optional[torch.Tensor] = None, cublas_where_faster: bool = False, gate: str = "none") -> torch.Tensor:
+    _, n, _ = _check_linear(x, weight, bias, scale_x, scale_weight, gate)
+    return x.new_empty((*x.shape[:-1], n // 2 if gate != "none" else n), dtype=_bfloat16)
 
 
 def _linear_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale_x: torch.Tensor | None = None,
-                 scale_weight: torch.Tensor | None = None, cublas_where_faster: bool = False) -> torch.Tensor:
-    m, n, k = _check_linear(x, weight, bias, scale_x, scale_weight)
+                 scale_weight: torch.Tensor | None = None, cublas_where_faster: bool = False,
+                 gate: str = "none") -> torch.Tensor:
+    m, n, k = _check_linear(x, weight, bias, scale_x, scale_weight, gate)
+    cols = n // 2 if gate != "none" else n
     if not m:
-        return torch.empty((*x.shape[:-1], n), dtype=_bfloat16, device=x.device)
+        return torch.empty((*x.shape[:-1], cols), dtype=_bfloat16, device=x.device)
     index, scales = x.get_device(), () if scale_x is None else (scale_x, scale_weight)
-    prepared = _gemm_launch(index, m, n, k, "nk", "e4m3" if scales else "bf16")
+    prepared = _gemm_launch(index, m, n, k, "nk", "e4m3" if scales else "bf16", gate)
     if cublas_where_faster and prepared.cublas_faster and not scales:  # dispatch.PEER_RULE
-        return _F.linear(x, weight, bias)
-    y = torch.empty((*x.shape[:-1], n), dtype=_bfloat16, device=x.device)  # bf16 whatever x is, as _scaled_mm's
+        y = _F.linear(x, weight, bias)
+        return y if gate == "none" else _F.silu(y[..., :cols]) * y[..., cols:]
+    y = torch.empty((*x.shape[:-1], cols), dtype=_bfloat16, device=x.device)  # bf16 whatever x is, as _scaled_mm's
     _gemm(index, prepared, y, x, weight, "nk", scales)
     if bias is not None:
         y.add_(bias)  # a second kernel: the Hopper kernel's epilogue has no bias
     return y
 
 
-def _gemm_launch(index: int, m: int, n: int, k: int, b_layout: str, precision: str) -> runtime.Prepared:
-    key = (index, _GEMM.name, m, n, k, b_layout, precision)
+def _gemm_launch(index: int, m: int, n: int, k: int, b_layout: str, precision: str,
+                 gate: str = "none") -> runtime.Prepared:
+    key = (index, _GEMM.name, m, n, k, b_layout, precision, gate)
     prepared = launches.get(key)
     if prepared is None:
         prepared = launches[key] = _prepare(index, _GEMM.name, {"m": m, "n": n, "k": k, "b_layout": b_layout,
-                                                                 "precision": precision}, {}, tuned_only=True)
+                                                                 "precision": precision, "gate": gate}, {},
+                                            tuned_only=True)
     return prepared
 
 
@@ -412,18 +428,21 @@ def _gemm(index: int, prepared: runtime.Prepared, c: torch.Tensor, a: torch.Tens
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            scale_x: torch.Tensor | None = None, scale_weight: torch.Tensor | None = None,
-           cublas_where_faster: bool = False) -> torch.Tensor:
+           cublas_where_faster: bool = False, gate: str = "none") -> torch.Tensor:
     """F.linear(x, weight, bias) on Hopper's tensor cores (fp32 accumulation, one rounding to bf16): x (..., K),
     weight (N, K) as nn.Linear keeps it, bias (N,) bf16 or None, all contiguous CUDA. x and weight bf16 (K a multiple
     of 8), or torch.float8_e4m3fn (K a multiple of 16) with scale_x and scale_weight, one float32 each: then
     y = scale_x·scale_weight·x·weightᵀ in bf16, as torch._scaled_mm. The kernel is this GPU's entry tuned for (N, K)
     at the M (rows of x) nearest this one's, compiled for this M on first use; an (N, K) tuned at no M is refused.
     bias is added by a second kernel. cublas_where_faster: a bf16 product at an M whose serving entry's tune timed
-    cuBLAS faster calls F.linear instead (dispatch.PEER_RULE), as a patched model does."""
+    cuBLAS faster calls F.linear instead (dispatch.PEER_RULE), as a patched model does. gate="silu" (SwiGLU, no
+    bias): weight's first N/2 rows are a gate projection's and the rest an up projection's (a fused gate_up
+    weight), and the result (..., N/2) is silu(x·W_gateᵀ) ⊙ x·W_upᵀ from one kernel, the product never written; an
+    (N, K) with no gated entry runs its plain entry's params."""
     if (is_eager(x, weight) and (bias is None or type(bias) is _Tensor)
             and (scale_x is None or type(scale_x) is _Tensor) and (scale_weight is None or type(scale_weight) is _Tensor)):
-        return _linear_impl(x, weight, bias, scale_x, scale_weight, cublas_where_faster)
-    return _linear_op(x, weight, bias, scale_x, scale_weight, cublas_where_faster)
+        return _linear_impl(x, weight, bias, scale_x, scale_weight, cublas_where_faster, gate)
+    return _linear_op(x, weight, bias, scale_x, scale_weight, cublas_where_faster, gate)
 
 
 def patch(model: torch.nn.Module, gpu_name: str | None = None) -> Any:

@@ -436,31 +436,64 @@ def test_a_split_k_kernel_from_the_runtime_computes_on_two_streams_and_in_a_grap
         assert relative_error(y, torch.nn.functional.linear(x.double(), weight.double())) <= tolerance
 
 
-def test_a_patched_layer_compiled_by_inductor_matches_float32_and_fuses_its_add_into_the_norm(monkeypatch):
+def test_a_patched_layer_compiled_by_inductor_matches_float32_and_fuses_its_add_and_its_gate(monkeypatch):
     import copy
 
     import torch._inductor.config as inductor
 
     from bench.decoder_layer import TOLERANCE, LlamaLayer, inputs
-    from mage_gen.patch import FuseResidualNorms
+    from mage_gen.patch import Fusions
 
     on_h200()
     torch.manual_seed(0)
-    reference = LlamaLayer(hidden=1024).cuda().eval()  # o (4096×4096) and the norms (d = 4096) are tuned
+    # qkv and o are tuned, and so gate_up (6144×4096: 3072 rows each of gate and up, qkv's weight shape, whose plain
+    # entries serve the gated product); down (4096×3072) is not
+    reference = LlamaLayer(hidden=3072).cuda().eval()
     layer = copy.deepcopy(reference).to(torch.bfloat16)
     routes = mt.patch(layer)
-    assert routes.linear == ["o"] and routes.norm == ["input_norm", "post_norm"] and set(routes.left) == {
-        "qkv", "gate_up", "down"}
+    assert routes.linear == ["qkv", "o", "gate_up"] and routes.norm == ["input_norm", "post_norm"]
+    assert set(routes.left) == {"down"}
     seen = []
     monkeypatch.setattr(inductor, "post_grad_custom_pre_pass",
-                        FuseResidualNorms(then=lambda graph: seen.extend(n.target for n in graph.nodes)))
+                        Fusions(then=lambda graph: seen.extend((n.target, n.args) for n in graph.nodes)))
     args = inputs(4096, 128, 256, torch.bfloat16)
     torch._dynamo.reset()
     with torch.inference_mode():
         y = torch.compile(layer)(*args)
         ref = reference(*(a.float() for a in args))
-    assert torch.ops.mage_gen.rms_norm_residual.default in seen and torch.ops.mage_gen.linear.default in seen
+    targets = [target for target, _ in seen]
+    assert torch.ops.mage_gen.rms_norm_residual.default in targets
+    gated = [a for target, a in seen if target is torch.ops.mage_gen.linear.default and "silu" in a]
+    assert len(gated) == 1  # gate_up's product, split in halves into silu(gate) · up
     assert relative_error(y, ref) <= TOLERANCE
+
+
+def test_a_gated_linear_matches_float64_in_a_graph_and_under_compile():
+    """linear(x, gate_up, gate="silu"): silu(x·W_gateᵀ) ⊙ x·W_upᵀ from one kernel, the params of the plain entry of
+    the same weight (6144×4096), at M on both sides of a class, eagerly, in a CUDA graph and under torch.compile."""
+    from mage_gen.dtypes import BFLOAT16
+
+    on_h200()
+    n, k = 6144, 4096
+    g = torch.Generator(device="cuda").manual_seed(71)
+    weight = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).to(torch.bfloat16)
+    for m in (16, 200, 2048):
+        x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+        product = x.double() @ weight.double().T
+        ref = torch.nn.functional.silu(product[:, :n // 2]) * product[:, n // 2:]
+        tolerance = GEMM.tolerance_of(GEMM.shape(m=m, n=n, k=k, gate="silu"), "C", BFLOAT16)
+        assert relative_error(mt.linear(x, weight, gate="silu"), ref) <= tolerance, m
+        y = torch.empty(m, n // 2, device="cuda", dtype=torch.bfloat16)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y.copy_(mt.linear(x, weight, gate="silu"))
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert relative_error(y, ref) <= tolerance, m
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: mt.linear(x, weight, gate="silu"), fullgraph=True)
+    assert relative_error(compiled(x), ref) <= tolerance
 
 
 def test_an_e4m3_kernel_from_the_runtime_matches_float64_and_torch_scaled_mm():

@@ -75,7 +75,7 @@ def test_an_add_feeding_a_norm_becomes_its_residual_form_and_its_other_uses_take
 
     gm = traced(block, (8, 4096), (8, 4096), (4096,))
     assert torch.ops.aten.add.Tensor in targets(gm)
-    routing.FuseResidualNorms()(gm.graph)
+    routing.fuse_residual_norms(gm.graph)
     gm.graph.lint()
     assert torch.ops.aten.add.Tensor not in targets(gm) and torch.ops.mage_gen.rms_norm.default not in targets(gm)
     (fused,) = [n for n in gm.graph.nodes if n.target is torch.ops.mage_gen.rms_norm_residual.default]
@@ -91,7 +91,7 @@ def test_a_broadcast_add_or_a_norm_of_no_sum_is_left_alone():
 
     gm = traced(block, (8, 768), (768,), (768,))
     before = targets(gm)
-    routing.FuseResidualNorms()(gm.graph)
+    routing.fuse_residual_norms(gm.graph)
     assert targets(gm) == before
 
 
@@ -103,6 +103,62 @@ def test_the_pass_is_installed_once_before_any_pass_already_there(monkeypatch):
     routing.install_fusion()
     routing.install_fusion()
     installed = inductor.post_grad_custom_pre_pass
-    assert isinstance(installed, routing.FuseResidualNorms) and installed.then == seen.append
+    assert isinstance(installed, routing.Fusions) and installed.then == seen.append
     installed(torch.fx.Graph())
     assert len(seen) == 1
+
+
+def decomposed(fn, *shapes):
+    """fn traced as Inductor's post-grad pass sees it: after Inductor's decompositions (silu as x / (1 + exp(-x)))."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    with FakeTensorMode():
+        args = [torch.empty(*s, dtype=BF16, device="cuda") for s in shapes]
+        return make_fx(fn, tracing_mode="fake", decomposition_table=select_decomp_table())(*args)
+
+
+def gated(gm):
+    return [n for n in gm.graph.nodes if n.target is torch.ops.mage_gen.linear.default and "silu" in n.args]
+
+
+def test_silu_of_a_routed_products_first_half_times_its_second_becomes_one_gated_linear():
+    def mlp(x, w):
+        gate, up = torch.ops.mage_gen.linear(x, w, None, None, None, True).chunk(2, -1)
+        return torch.nn.functional.silu(gate) * up
+
+    def sliced(x, w):  # split_with_sizes, silu written out as x·sigmoid(x), the product on the left
+        gate, up = torch.ops.mage_gen.linear(x, w, None).split([1024, 1024], dim=1)
+        return up * (gate * torch.sigmoid(gate))
+
+    for fn in (mlp, sliced):
+        gm = decomposed(fn, (8, 4096), (2048, 4096))
+        routing.fuse_gated_linears(gm.graph)
+        gm.graph.lint()
+        (node,) = gated(gm)
+        assert targets(gm) == [torch.ops.mage_gen.linear.default]  # nothing else is left
+        assert node.args[:3] == (*[n for n in gm.graph.nodes if n.op == "placeholder"], None)
+        assert tuple(node.meta["val"].shape) == (8, 1024)
+    gm = decomposed(mlp, (8, 4096), (2048, 4096))
+    assert gated(gm) == []
+
+
+@pytest.mark.parametrize("why, fn", [
+    ("the product is used elsewhere", lambda x, w, b: (lambda y: (torch.nn.functional.silu(y.chunk(2, -1)[0])
+                                                                   * y.chunk(2, -1)[1], y))(
+        torch.ops.mage_gen.linear(x, w, None))),
+    ("silu of the second half", lambda x, w, b: (lambda g, u: torch.nn.functional.silu(u) * g)(
+        *torch.ops.mage_gen.linear(x, w, None).chunk(2, -1))),
+    ("quarters, not halves", lambda x, w, b: (lambda g, u, *rest: torch.nn.functional.silu(g) * u)(
+        *torch.ops.mage_gen.linear(x, w, None).chunk(4, -1))),
+    ("a bias", lambda x, w, b: (lambda g, u: torch.nn.functional.silu(g) * u)(
+        *torch.ops.mage_gen.linear(x, w, b).chunk(2, -1))),
+    ("another function than silu", lambda x, w, b: (lambda g, u: torch.nn.functional.gelu(g) * u)(
+        *torch.ops.mage_gen.linear(x, w, None).chunk(2, -1))),
+    ("halves of the first dimension", lambda x, w, b: (lambda g, u: torch.nn.functional.silu(g) * u)(
+        *torch.ops.mage_gen.linear(x, w, None).chunk(2, 0))),
+])
+def test_a_product_the_gated_kernel_cannot_stand_for_is_left_alone(why, fn):
+    gm = decomposed(fn, (8, 4096), (2048, 4096), (2048,))
+    before = targets(gm)
+    routing.fuse_gated_linears(gm.graph)
+    assert targets(gm) == before and gated(gm) == [], why

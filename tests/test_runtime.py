@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from mage_gen import runtime
+from mage_gen import dispatch, runtime
 from mage_gen.errors import LaunchError, NoGpuError
 from mage_gen.ops import get_op
 from mage_gen.variants import build
@@ -228,6 +228,32 @@ def test_an_fp8_linear_under_fake_tensors_gives_bf16():
     with FakeTensorMode():
         y = torch.ops.mage_gen.linear(f8(2, 3, 4096), f8(6144, 4096), None, scale(), scale())
         assert y.shape == (2, 3, 6144) and y.dtype == BF16
+
+
+# gate="silu": (x, weight, bias, gate)
+BAD_GATED_LINEAR = [
+    (lambda: (bf16(4, 64), bf16(33, 64), None, "silu"), "gate silu takes a weight of an even number of rows"),
+    (lambda: (bf16(4, 64), bf16(32, 64), bf16(32), "silu"), "gate silu takes .* and no bias, got 32 rows and a bias"),
+    (lambda: (bf16(4, 64), bf16(32, 64), None, "gelu"), r"gate is one of \('none', 'silu'\), got 'gelu'"),
+]
+
+
+@pytest.mark.parametrize("make, message", BAD_GATED_LINEAR)
+def test_a_gated_linear_refuses_what_the_kernel_cannot_take_in_one_line(make, message):
+    with FakeTensorMode():
+        x, weight, bias, gate = make()
+        for call in (lambda: mt.linear(x, weight, bias, gate=gate),
+                     lambda: torch.ops.mage_gen.linear(x, weight, bias, None, None, False, gate)):
+            with pytest.raises(LaunchError, match="^mage_gen.torch.linear: " + message) as info:
+                call()
+            assert "\n" not in str(info.value)
+
+
+def test_a_gated_linear_under_fake_tensors_gives_half_the_weights_rows():
+    with FakeTensorMode():
+        y = torch.ops.mage_gen.linear(bf16(2, 3, 4096), bf16(6144, 4096), None, None, None, True, "silu")
+        assert y.shape == (2, 3, 3072) and y.dtype == BF16
+        assert mt.linear(bf16(0, 4096), bf16(32, 4096), gate="silu").shape == (0, 16)
 
 
 @pytest.mark.parametrize("make, message", BAD_LINEAR)
@@ -687,3 +713,35 @@ def test_linear_calls_cublas_only_where_asked_and_the_serving_tune_saw_cublas_wi
     y = mt._linear_impl(x, weight, None, *scales, cublas_where_faster=asked)
     expected = torch.nn.functional.linear(x, weight) if runs == "cublas" else torch.full((4, 32), 7.0, dtype=BF16)
     assert torch.equal(y, expected) and launched == ([] if runs == "cublas" else [prepared])
+
+
+@pytest.mark.parametrize("cublas_faster", [True, False])
+def test_a_gated_linear_where_cublas_won_is_torchs_product_then_silu_times_up(monkeypatch, cublas_faster):
+    prepared, launched = type("Served", (), {"cublas_faster": cublas_faster})(), []
+    monkeypatch.setattr(mt, "_check_linear", lambda x, weight, *rest: (x.shape[0], weight.shape[0], x.shape[1]))
+    monkeypatch.setattr(mt, "_gemm_launch", lambda *args: launched.append(args[-1]) or prepared)
+    monkeypatch.setattr(mt, "_gemm", lambda index, served, c, *rest: c.fill_(7))
+    x, weight = torch.randn(4, 64).to(BF16), torch.randn(32, 64).to(BF16)
+    y = mt._linear_impl(x, weight, None, cublas_where_faster=True, gate="silu")
+    product = torch.nn.functional.linear(x, weight)
+    expected = (torch.nn.functional.silu(product[:, :16]) * product[:, 16:] if cublas_faster
+                else torch.full((4, 16), 7.0, dtype=BF16))
+    assert launched == ["silu"] and torch.equal(y, expected)
+
+
+def test_a_gated_gemm_with_no_entry_of_its_own_runs_its_plain_weights_unless_they_cannot_pair_sums():
+    from mage_gen import gpu
+    from mage_gen.store import load_winner
+
+    op = get_op("gemm_sm90")
+    h200 = gpu.DeviceInfo("NVIDIA H200", (9, 0), 132, 60 << 20, 232448, "13.0")
+    served = load_winner(op, op.shape(m=2048, n=6144, k=4096), h200.name)
+    assert not served.params.swap
+    assert runtime.choose(op, op.shape(m=2000, n=6144, k=4096, gate="silu"), {}, h200, True) == (served.params,
+                                                                                                  served.entry)
+    tuned = {op.shape(m=16, n=6144, k=4096): op.params_from_dict({"bm": 128, "bn": 32, "swap": True}),
+             op.shape(m=512, n=6144, k=4096): op.params_from_dict({"bm": 128, "bn": 128})}
+    gated_16 = op.shape(m=16, n=6144, k=4096, gate="silu")
+    assert dispatch.choose_class(op, gated_16, tuned)[0].m == 512  # the swapped class at 16 cannot pair its sums
+    own = op.shape(m=256, n=6144, k=4096, gate="silu")
+    assert dispatch.choose_class(op, gated_16, {**tuned, own: op.params_from_dict({"bm": 64, "bn": 64, "consumers": 1})})[0] == own
