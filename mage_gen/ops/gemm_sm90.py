@@ -440,7 +440,7 @@ class GemmSm90(OpFamily):
     torch_name = "mage_gen.torch.linear"
     class_dims = ("m",)  # a model calls a layer's (N, K) at every token count: its entries are classes over M
     epilogue_fields = ("gate",)
-    field_help = {"m": "rows of A and C", "n": "columns of C", "k": "columns of A",
+    field_help = {"m": "rows of A and C", "n": "columns of C (gated: rows of B, twice C's columns)", "k": "columns of A",
                   "precision": "bf16, e4m3 (fp8; C = scale_a·scale_b·A·Bᵀ, B N×K) or e4m3_block (fp8 with scales per "
                                "1×128 of A and 128×128 of B) (what A and B are; c_dtype is C's)",
                   "c_dtype": "C's element type: bf16 or fp32",
