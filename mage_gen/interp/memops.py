@@ -79,6 +79,8 @@ def _ld(dec: Decoder, st, parts):
             value = np.frombuffer(w.block.params[off:off + size], dtype=dt)[0]
             w.put(dsts[0], np.full(LANES, value, dtype=widen or dt), mask)
         return fn_param
+    if np.dtype(dt).itemsize == 2 and not hinted and widen is None:
+        return _ld16(dec, st, space, dt, dsts)
     wpe = _words_per(dt)
     base, off = dec.address(st.operands[1])
     policy = dec.src(st.operands[2], np.uint64) if hinted else None
@@ -117,6 +119,20 @@ def _ld_const(dec: Decoder, dsts: list[int], base, off, nwords: int, dt, widen, 
             vals = vals.astype(widen)
         for j, d in enumerate(dsts):
             w.put_lanes(d, vals[:, j], mask)
+    return fn
+
+
+def _ld16(dec: Decoder, st, space: str, dt, dsts: list[int]):
+    """A 2-byte global load (memory.Global.read16) into a 16-bit register."""
+    if space != "global" or len(dsts) != 1:
+        raise UnknownInstruction("2-byte loads other than one element from global memory not implemented")
+    base, off = dec.address(st.operands[1])
+    what = f"line {st.line}: {st.text}"
+
+    def fn(w, mask):
+        sel = w.active(mask)
+        addr = np.broadcast_to(base(w.r) + off, (LANES,))[sel].astype(np.uint64)
+        w.put_lanes(dsts[0], w.block.glob.read16(addr, w.tids[sel], w.block.describe, what).view(dt), mask)
     return fn
 
 

@@ -103,6 +103,12 @@ class Global:
         """The index of each lane's first word, after the checks of an access of nbytes (an atomic's)."""
         return self._index(addr, nbytes, tids, describe, what)
 
+    def read16(self, addr, tids, describe: Describe, what: str) -> np.ndarray:
+        """The uint16 at each lane's 2-byte-aligned address inside a buffer (a 2-byte load of an input: the
+        visibility of stores is not checked, as write16 is not race-checked)."""
+        self._index(addr, 2, tids, describe, what)
+        return self.words.view(np.uint16)[((addr.astype(np.uint64) - np.uint64(GLOBAL_BASE)) >> np.uint64(1)).astype(np.int64)]
+
     def write16(self, addr, values: np.ndarray, tids, describe: Describe, what: str) -> None:
         """2-byte stores of uint16 values at 2-byte-aligned addresses inside a buffer; not race-checked (ownership
         is kept per word, and two threads may own the two halves of one)."""
