@@ -402,11 +402,11 @@ def strided_bf16_gemm_peers(shape: Any, inputs: dict[str, np.ndarray], eps: floa
                             output_of: _Outputs) -> dict[str, list[TorchSubject]]:
     """cuBLAS through torch (C = A·Bᵀ as F.linear computes it, or A·B for a K×N B: bf16 A and B, fp32 sums, C in C's
     type) and Triton's tl.dot over its Hopper tiles, each reading the same A and B (their padded rows) and writing
-    C's type. e4m3: torch._scaled_mm (cuBLASLt) with the per-tensor scales, with and without fast accumulation. Gated
-    (gate silu): the product as above into a tensor of its own, then torch's silu of its first half times its
-    second half into C, as an unfused model computes it."""
-    if shape.gate != "none":
-        return _gated_peers(shape, inputs, eps, inductor, tensor_of, output_of)
+    C's type. e4m3: torch._scaled_mm (cuBLASLt) with the per-tensor scales, with and without fast accumulation. With
+    an epilogue (a bias, the gate, a residual): the product as above into a tensor of its own, then torch's ops in
+    the kernel's order, the last into C, as an unfused model computes it."""
+    if shape.gate != "none" or shape.bias or shape.residual:
+        return _epilogue_peers(shape, inputs, eps, inductor, tensor_of, output_of)
     if shape.precision != "bf16":
         return _scaled_mm_peers(shape, tensor_of, output_of)
     a_rows, b_rows = (tensor_of(name, BFLOAT16) for name in ("A", "B"))
@@ -449,24 +449,38 @@ def strided_bf16_gemm_peers(shape: Any, inputs: dict[str, np.ndarray], eps: floa
     return candidates
 
 
-def _gated_peers(shape: Any, inputs: dict[str, np.ndarray], eps: float, inductor: bool,
-                 tensor_of: Callable[[str, DType], Any], output_of: _Outputs) -> dict[str, Any]:
-    """cuBLAS's plain product (the peers of the same shape ungated, each writing a product of its own), then
-    C = silu(product[:, :N/2]) · product[:, N/2:] by torch."""
-    plain = dataclasses.replace(shape, gate="none")
+def _epilogue_peers(shape: Any, inputs: dict[str, np.ndarray], eps: float, inductor: bool,
+                    tensor_of: Callable[[str, DType], Any], output_of: _Outputs) -> dict[str, Any]:
+    """cuBLAS's plain product (the peers of the same shape with no epilogue, each writing a product of its own),
+    then by torch: + bias, C = silu(P[:, :N/2]) · P[:, N/2:], + residual, the last of them into C."""
+    plain = dataclasses.replace(shape, gate="none", bias=False, residual=False)
     own = _Outputs({})  # the product is not C: never the kernel's output memory
     families = strided_bf16_gemm_peers(plain, inputs, eps, inductor, tensor_of, own)
+    out_type, out = (torch.bfloat16, BFLOAT16) if shape.c_dtype == "bf16" else (torch.float32, FLOAT32)
+    c = output_of("C", (shape.m, shape.c_cols), out_type)
     half = shape.c_cols
-    c = output_of("C", (shape.m, half), torch.bfloat16 if shape.c_dtype == "bf16" else torch.float32)
+    steps = []  # (what, op(P, out)), in the kernel's order
+    if shape.bias:
+        bias = tensor_of("bias", out)
+        steps.append(("P + bias", lambda p, out: torch.add(p, bias, out=out)))
+    if shape.gate == "silu":
+        steps.append(("F.silu(P[:, :N/2]) * P[:, N/2:]",
+                      lambda p, out: torch.mul(torch.nn.functional.silu(p[:, :half]), p[:, half:], out=out)))
+    if shape.residual:
+        residual = tensor_of("residual", out)
+        steps.append(("P + residual", lambda p, out: torch.add(p, residual, out=out)))
 
-    def gated(subject: TorchSubject) -> TorchSubject:
+    def finished(subject: TorchSubject) -> TorchSubject:
         def go():
-            product = subject.run()
-            return torch.mul(torch.nn.functional.silu(product[:, :half]), product[:, half:], out=c)
-        return TorchSubject(subject.name, go, {**subject.config, "then": "torch.mul(F.silu(P[:, :N/2]), P[:, N/2:])"})
+            p = subject.run()
+            for at, (_, step) in enumerate(steps):
+                p = step(p, c if at == len(steps) - 1 else None)
+            return p
+        return TorchSubject(subject.name, go, {**subject.config, "then": ", ".join(what for what, _ in steps)})
 
-    return {"cublas": [gated(s) for s in families["cublas"]],
-            "triton": "no gated kernel among the peers (Triton's product, then torch's gate, would time torch)"}
+    return {"cublas": [finished(s) for s in families["cublas"]],
+            "triton": "no kernel with this epilogue among the peers (Triton's product, then torch's ops, would time "
+                      "torch)"}
 
 
 def _scaled_mm_peers(shape: Any, tensor_of: Callable[[str, DType], Any], output_of: _Outputs) -> dict[str, Any]:

@@ -467,7 +467,7 @@ def test_a_gated_stage_copies_half_the_b_tile_from_each_half_of_b():
     text = OP.source(shape, p).text
     assert text.count("&tma_b") == 3 and "1024 + tn * 128" in text  # the prefetch, then gate and up rows
     assert OP.kernel_name(shape, p).startswith("gemm_sm90_bf16_nk_bf16_gsilu_m256_n2048_k512_b128x256")
-    assert OP.shape_key(shape).endswith("/gate=silu")
+    assert OP.shape_key(shape) == "m=256,n=2048,k=512,gate=silu/bf16/nk/bf16"  # not a size class of the plain key
     assert OP.shape_key(OP.shape(m=256, n=2048, k=512)) == "m=256,n=2048,k=512/bf16/nk/bf16"  # plain keys as stored
 
 
@@ -487,3 +487,46 @@ def test_a_gated_tile_of_c_that_is_not_whole_128_byte_boxes_is_stored_from_regis
 def test_a_gated_product_refuses_what_cannot_pair_its_sums(shape, values, rule):
     with pytest.raises(ConfigError, match="^" + rule):
         OP.validate(OP.shape(**{"m": 256, "n": 256, "k": 256, **shape, "gate": "silu"}), OP.params_from_dict(values))
+
+
+# ---- bias (a vector of N, before the gate) and residual (a tensor like C, last) in the epilogue ----
+
+@pytest.mark.parametrize("shape, values", [
+    (dict(m=129, n=136, k=73, bias=True), {}),
+    (dict(m=129, n=136, k=73, residual=True), {"epilogue": "tma"}),
+    (dict(m=129, n=129, k=73, bias=True, residual=True), {}),  # odd N: elements one at a time
+    (dict(m=70, n=272, k=200, gate="silu", bias=True, residual=True),
+     {"bn": 128, "epilogue": "tma", "schedule": "pingpong", "consumers": 2, "grid": 1}),
+    (dict(m=17, n=130, k=300, precision="e4m3", bias=True, residual=True), {"bn": 32, "split_k": 2}),
+    (dict(m=33, n=258, k=150, c_dtype="fp32", gate="silu", bias=True, residual=True), {"bn": 64}),
+    (dict(m=20, n=200, k=150, bias=True, residual=True), {"bn": 16, "swap": True}),
+    (dict(m=129, n=136, k=73, b_layout="kn", bias=True, residual=True), {}),
+    (dict(m=128, n=256, k=256, precision="e4m3_block", bias=True, residual=True), {"inflight": 0, "bn": 128}),
+])
+def test_a_bias_and_a_residual_pass_the_gate_on_the_interpreter(shape, values):
+    shape = OP.shape(**shape)
+    variant = build(OP, shape, OP.params_from_dict({**SMALL, **values}), "sm_90")
+    added = [name for name in ("bias", "residual") if getattr(shape, name)]
+    assert [a.name for a in OP.args(shape)][-len(added):] == added  # after C, A, B and any scales
+    result = interp.gate(OP, shape, variant, {}, np.random.default_rng(4))
+    assert result.passed, result.reason
+    if shape.c_dtype == "fp32":
+        assert result.errors["fixed"] < 1e-6
+
+
+@pytest.mark.parametrize("precision", ["bf16", "e4m3"])
+@pytest.mark.parametrize("addend", ["bias", "residual"])
+def test_a_kernel_that_left_out_an_addend_would_fail_the_gate(precision, addend):
+    shape = OP.shape(m=64, n=256, k=512, precision=precision, **{addend: True})
+    inputs = OP.make_inputs(shape, {}, np.random.default_rng(0))
+    with_it = OP.reference(shape, inputs, {})["C"]
+    without = OP.reference(dataclasses.replace(shape, **{addend: False}), inputs, {})["C"]
+    error = np.linalg.norm(with_it - without) / np.linalg.norm(with_it)
+    assert error > 10 * OP.tolerance_of(shape, "C", BFLOAT16)
+
+
+def test_an_epilogue_names_its_kernel_and_key_and_is_served_by_the_plain_entry():
+    shape = OP.shape(m=256, n=2048, k=512, bias=True, residual=True)
+    assert OP.shape_key(shape) == "m=256,n=2048,k=512,bias,residual/bf16/nk/bf16"
+    assert "_bias_residual_m256" in OP.kernel_name(shape, OP.params_from_dict({}))
+    assert OP.epilogue_fields == ("gate", "bias", "residual")

@@ -197,18 +197,24 @@ def test_swapped_and_fp8_products_match_the_float64_reference_at_tails(device, s
     assert result.passed, f"{params.label()} at {shape}: {result.reason}"
 
 
-# gate silu: B's halves paired in each tile, C half as wide (N even: the tails' N rounded up to even, or, for a TMA
-# store, to a multiple of 16, so that C's rows of N/2 lie on 16 bytes)
-GATED = [("bf16", {}), ("bf16", {"epilogue": "tma", "bn": 256}), ("bf16", {"schedule": "pingpong", "epilogue": "tma"}),
-         ("bf16", {"bm": 64, "bn": 128, "consumers": 1, "split_k": 2, "stages": 8}), ("e4m3", {"epilogue": "tma"})]
+# The epilogue's work (ops/gemm_sm90.py: gate silu pairs B's halves in each tile, C half as wide; a bias before the
+# gate, a residual last). A gated N is the tail's N rounded up to even, or, for a TMA store, to a multiple of 16, so
+# that C's rows of N/2 lie on 16 bytes.
+EPILOGUES = [({"gate": "silu"}, {}), ({"gate": "silu"}, {"epilogue": "tma", "bn": 256}),
+             ({"gate": "silu"}, {"schedule": "pingpong", "epilogue": "tma"}),
+             ({"gate": "silu"}, {"bm": 64, "bn": 128, "consumers": 1, "split_k": 2, "stages": 8}),
+             ({"gate": "silu", "precision": "e4m3"}, {"epilogue": "tma"}),
+             ({"bias": True, "residual": True}, {"epilogue": "tma"}),
+             ({"bias": True, "residual": True, "gate": "silu"}, {"epilogue": "tma", "bn": 256}),
+             ({"bias": True, "residual": True}, {"bm": 64, "bn": 32, "consumers": 1, "swap": True, "split_k": 2})]
 
 
-@pytest.mark.parametrize("precision, values", GATED,
-                         ids=lambda v: v if isinstance(v, str) else ",".join(f"{k}={x}" for k, x in v.items()) or "-")
+@pytest.mark.parametrize("fields, values", EPILOGUES, ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()) or "-")
 @pytest.mark.parametrize("m, n, k", TAILS)
-def test_gated_products_match_the_float64_reference_at_tails(device, stream, precision, values, m, n, k):
-    shape = OP.shape(m=m, n=n + (-n % 16 if values.get("epilogue") == "tma" else n % 2), k=k, precision=precision,
-                     gate="silu")
+def test_an_epilogue_matches_the_float64_reference_at_tails(device, stream, fields, values, m, n, k):
+    if "gate" in fields:
+        n += -n % 16 if values.get("epilogue") == "tma" else n % 2
+    shape = OP.shape(m=m, n=n, k=k, **fields)
     params = OP.params_from_dict({"grid": device.sms, **values})
     OP.validate(shape, params)
     result = gate_on_gpu(OP, device, stream, shape, params)

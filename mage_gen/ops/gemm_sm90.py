@@ -37,6 +37,11 @@ the epilogue multiplies them in registers: the M × N product never reaches memo
 kernel. The main loop is the plain product's, so a gated shape with no entry of its own runs its plain weight's
 (dispatch.CLASS_RULE).
 
+`bias` adds a vector of N (one per row of B, C's type) to the sums before anything else is done with them (a
+gated product's gate and up columns each their own); `residual` adds a tensor of C's shape and type (`residual`)
+last, after the gate: C = gate(A·Bᵀ + bias) + R, rounded once, as a layer's `h + down(x)` or a biased nn.Linear
+wants without a kernel after the product.
+
 The gate's tolerance: products of bf16 are exact in fp32, so the error is the fp32 accumulation over K (at most
 about K·2⁻²⁴ relative, far less in norm) and, for a bf16 C, one rounding to bf16 (its unit roundoff 2⁻⁸ bounds
 the relative norm): 2⁻²⁴·K + 1e-6, plus 2⁻⁸ where C is bf16.
@@ -103,6 +108,8 @@ class Shape:
     c_dtype: str = "bf16"  # C's element type
     b_layout: str = "nk"
     gate: str = "none"
+    bias: bool = False  # C += a vector of N (C's type), before the gate
+    residual: bool = False  # C += a tensor like C, last
 
     @property
     def c_cols(self) -> int:
@@ -302,6 +309,29 @@ def _scale_shapes(shape: Shape) -> dict[str, tuple[int, ...]]:
     return {"scale_a": (shape.m, blocks), "scale_b": (-(-shape.n // SCALE_BLOCK), blocks)}
 
 
+def _epilogue_slug(shape: Shape, sep: str) -> str:
+    """What the epilogue adds to the product, for names and keys: '' for a plain product."""
+    parts = ([f"gate={shape.gate}"] if shape.gate != "none" else []) + [name for name in ("bias", "residual")
+                                                                        if getattr(shape, name)]
+    if sep == "_":
+        parts = [part.replace("gate=", "g") for part in parts]
+    return "".join(sep + part for part in parts)
+
+
+def _epilogue64(shape: Shape, c: np.ndarray, inputs: dict[str, np.ndarray]) -> np.ndarray:
+    """The product as the epilogue finishes it, in float64: + bias, the gate, + residual."""
+    out = OUTPUTS[shape.c_dtype]
+    if shape.bias:
+        c = c + out.widen(inputs["bias"]).astype(np.float64)
+    if shape.gate == "silu":
+        gate, up = c[:, :shape.c_cols], c[:, shape.c_cols:]
+        with np.errstate(over="ignore"):  # exp(-gate) is inf far below zero, where silu is -0
+            c = gate / (1 + np.exp(-gate)) * up
+    if shape.residual:
+        c = c + out.widen(inputs["residual"]).astype(np.float64)
+    return c
+
+
 def _block_scaled(shape: Shape, a: np.ndarray, b: np.ndarray, scale_a: np.ndarray, scale_b: np.ndarray) -> np.ndarray:
     """Σ over 128-deep blocks of K of A_blk·B_blkᵀ times A's row scale and B's block scale, as one product: each
     element of A times its row's scale for its block of K, each of B times its block's. An e4m3 value (4 significant
@@ -329,6 +359,8 @@ _SHAPE_RULES = (
     Rule("b-layout", lambda s: s.b_layout in B_LAYOUTS,
          lambda s: f"b_layout is one of {B_LAYOUTS} (nk: B as N×K, an nn.Linear weight; kn: K×N), got {s.b_layout!r}"),
     Rule("gate", lambda s: s.gate in GATES, lambda s: f"gate is one of {GATES}, got {s.gate!r}"),
+    Rule("addends", lambda s: isinstance(s.bias, bool) and isinstance(s.residual, bool),
+         lambda s: f"bias and residual are true or false, got {s.bias!r} and {s.residual!r}"),
     Rule("gate", lambda s: s.gate == "none" or (s.n % 2 == 0 and s.b_layout == "nk" and s.precision != "e4m3_block"),
          lambda s: f"gate {s.gate} pairs the gate's rows of an N×K B (b_layout nk) with the up's, N/2 apart: N must be "
                    f"even, and per-block scales are not taken; got N={s.n}, b_layout {s.b_layout}, precision "
@@ -433,28 +465,30 @@ class GemmSm90(OpFamily):
     shape_dims = ("m", "n", "k")
     run_dims: tuple[str, ...] = ()
     run_defaults: dict[str, int] = {}
-    shape_options = ("precision", "c_dtype", "b_layout", "gate")
+    shape_options = ("precision", "c_dtype", "b_layout", "gate", "bias", "residual")
     min_arch = 90
     peer_builder = LazyFunction("mage_gen.peers", "strided_bf16_gemm_peers")
     runtime_name = "mage_gen.runtime.gemm"
     torch_name = "mage_gen.torch.linear"
     class_dims = ("m",)  # a model calls a layer's (N, K) at every token count: its entries are classes over M
-    epilogue_fields = ("gate",)
+    epilogue_fields = ("gate", "bias", "residual")
     field_help = {"m": "rows of A and C", "n": "columns of C (gated: rows of B, twice C's columns)", "k": "columns of A",
                   "precision": "bf16, e4m3 (fp8; C = scale_a·scale_b·A·Bᵀ, B N×K) or e4m3_block (fp8 with scales per "
                                "1×128 of A and 128×128 of B) (what A and B are; c_dtype is C's)",
                   "c_dtype": "C's element type: bf16 or fp32",
                   "b_layout": "nk (B N×K, C = A·Bᵀ) or kn (B K×N, C = A·B)",
                   "gate": "none, or silu: B is a gate's N/2 rows over an up's, C (M × N/2) = silu(A·B_gateᵀ) ⊙ "
-                          "A·B_upᵀ (SwiGLU)"}
+                          "A·B_upᵀ (SwiGLU)",
+                  "bias": "true: a vector of N (C's type) added to the sums, before the gate",
+                  "residual": "true: a tensor of C's shape and type added last"}
 
     def shape(self, m: int, n: int, k: int, precision: str = "bf16", c_dtype: str = "bf16", b_layout: str = "nk",
-              gate: str = "none") -> Shape:
+              gate: str = "none", bias: bool = False, residual: bool = False) -> Shape:
         for name, value in (("m", m), ("n", n), ("k", k)):
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_DIM:
                 raise ConfigError(f"{name}-range: {name} must be a whole number in 1..{MAX_DIM}, got {value!r}; "
                                   f"give it as --{name}")
-        shape = Shape(m, n, k, precision, c_dtype, b_layout, gate)
+        shape = Shape(m, n, k, precision, c_dtype, b_layout, gate, bias, residual)
         check_rules(_SHAPE_RULES, shape)
         return shape
 
@@ -577,7 +611,7 @@ class GemmSm90(OpFamily):
             C_BOX_COLS=128 // out.itemsize, C_BOX_BYTES=consumer_rows(p) * 128, C_BOXES=out_bn(shape, p) * out.itemsize // 128,
             # C's row length and a tile's columns of it, and gated the row of B where the up half starts
             C_COLS=shape.c_cols if not p.swap else product.n, OUT_BN=out_bn(shape, p), GATE=shape.gate != "none",
-            UP_ROWS_AT=shape.n // 2,
+            UP_ROWS_AT=shape.n // 2, BIAS=shape.bias, RESIDUAL=shape.residual, B_ROWS=shape.n,
             C_TYPE=out.c_type, C_PTX=out.ptx, C_PAIRS=c_pairs(shape, p), SWAP=p.swap,
             ORDER=p.order, GROUP=p.group, PRODUCER_REGS=p.producer_regs, CONSUMER_REGS=consumer_regs(p),
             INFLIGHT=p.inflight, EPILOGUE=epilogue(shape, p), WATCHDOG_NS=p.watchdog_ms * 1_000_000, PLANT=p.plant,
@@ -596,19 +630,22 @@ class GemmSm90(OpFamily):
         return render("gemm_sm90/ws.cu.j2", self.context(shape, p), self.kernel_name(shape, p), p)
 
     def slug(self, shape: Shape) -> str:
-        gate = f"_g{shape.gate}" if shape.gate != "none" else ""
-        return f"{shape.precision}_{shape.b_layout}_{shape.c_dtype}{gate}_m{shape.m}_n{shape.n}_k{shape.k}"
+        return (f"{shape.precision}_{shape.b_layout}_{shape.c_dtype}{_epilogue_slug(shape, '_')}"
+                f"_m{shape.m}_n{shape.n}_k{shape.k}")
 
     def shape_key(self, shape: Shape) -> str:
-        gate = f"/gate={shape.gate}" if shape.gate != "none" else ""
-        return f"m={shape.m},n={shape.n},k={shape.k}/{shape.precision}/{shape.b_layout}/{shape.c_dtype}{gate}"
+        # never the plain key and a "/": tuned/ takes key + "/..." for a size class of the shape
+        return (f"m={shape.m},n={shape.n},k={shape.k}{_epilogue_slug(shape, ',')}/{shape.precision}/{shape.b_layout}/"
+                f"{shape.c_dtype}")
 
     # ---- data ----
     def args(self, shape: Shape) -> tuple[Arg, ...]:
-        """C, A, B; e4m3 also scale_a and scale_b, one fp32 each (C = scale_a·scale_b·A·Bᵀ, as torch._scaled_mm)."""
-        element = shape.element.name
+        """C, A, B; e4m3 also scale_a and scale_b, one fp32 each (C = scale_a·scale_b·A·Bᵀ, as torch._scaled_mm); then
+        the bias and the residual where the shape adds them, of C's type."""
+        element, out = shape.element.name, OUTPUTS[shape.c_dtype].name
         scales = (Arg("scale_a", "in", "float32"), Arg("scale_b", "in", "float32")) if shape.precision != "bf16" else ()
-        return (Arg("C", "out", OUTPUTS[shape.c_dtype].name), Arg("A", "in", element), Arg("B", "in", element), *scales)
+        addends = tuple(Arg(name, "in", out) for name in ("bias", "residual") if getattr(shape, name))
+        return (Arg("C", "out", out), Arg("A", "in", element), Arg("B", "in", element), *scales, *addends)
 
     def launch_args(self, shape: Shape, p: Params) -> tuple[Arg, ...]:
         """args, and under split K the workspace (scratch) and the tiles' counters (zero on entry, left zero)."""
@@ -619,26 +656,33 @@ class GemmSm90(OpFamily):
 
     def make_inputs(self, shape: Shape, run: dict[str, int], rng: np.random.Generator) -> dict[str, np.ndarray]:
         """A and B with rows of lda elements; the padding past K is NaN, so a kernel that read it would fail. e4m3:
-        normal values times 8 (most codes' exponents in use) and scales drawn from 0.5-2."""
+        normal values times 8 (most codes' exponents in use) and scales drawn from 0.5-2. A bias and a residual as
+        large as the product's elements (spread² · √K), so that one left out fails the gate."""
         element = shape.element
         spread = 8.0 if shape.precision == "e4m3" else 1.0
 
-        def rows(count: int, length: int, stride: int) -> np.ndarray:
+        def rows(count: int, length: int, stride: int, element: DType, size: float) -> np.ndarray:
             held = np.empty((count, stride), dtype=element.storage)
 
             def fill(child: np.random.Generator, at: slice) -> None:
-                held[at, :length] = element.round(spread * child.standard_normal((at.stop - at.start, length),
-                                                                                 dtype=np.float32))
+                held[at, :length] = element.round(np.float32(size) * child.standard_normal(
+                    (at.stop - at.start, length), dtype=np.float32))
                 held[at, length:] = element.nan_bits & (1 << 8 * element.itemsize) - 1
 
             fill_rows(rng, count, length, fill)
             return held
 
         b = (shape.n, shape.k) if shape.b_layout == "nk" else (shape.k, shape.n)
-        inputs = {"A": rows(shape.m, shape.k, shape.lda), "B": rows(*b, shape.ldb)}
+        inputs = {"A": rows(shape.m, shape.k, shape.lda, element, spread),
+                  "B": rows(*b, shape.ldb, element, spread)}
         if shape.precision != "bf16":
             inputs.update({name: rng.uniform(0.5, 2.0, size).astype(np.float32)
                            for name, size in _scale_shapes(shape).items()})
+        out, size = OUTPUTS[shape.c_dtype], spread ** 2 * shape.k ** 0.5
+        if shape.bias:
+            inputs["bias"] = out.round(np.float32(size) * rng.standard_normal(shape.n, dtype=np.float32))
+        if shape.residual:
+            inputs["residual"] = rows(shape.m, shape.c_cols, shape.c_cols, out, size)
         return inputs
 
     def output_shapes(self, shape: Shape, run: dict[str, int]) -> dict[str, tuple[int, ...]]:
@@ -660,25 +704,24 @@ class GemmSm90(OpFamily):
         element = shape.element
         a = element.widen(inputs["A"][:, :shape.k]).astype(np.float64)
         if shape.precision == "e4m3_block":
-            return {"C": _block_scaled(shape, a, element.widen(inputs["B"][:, :shape.k]).astype(np.float64),
-                                       inputs["scale_a"], inputs["scale_b"])}
+            return {"C": _epilogue64(shape, _block_scaled(shape, a, element.widen(inputs["B"][:, :shape.k])
+                                                          .astype(np.float64), inputs["scale_a"], inputs["scale_b"]),
+                                     inputs)}
         if shape.precision == "e4m3":  # the scales as the kernel applies them: their fp32 product
             a = a * float(np.float32(inputs["scale_a"][0]) * np.float32(inputs["scale_b"][0]))
         if shape.b_layout == "kn":
-            return {"C": product64(a, element.widen(inputs["B"][:, :shape.n]).astype(np.float64))}
-        c = product64(a, element.widen(inputs["B"][:, :shape.k]).astype(np.float64).T)
-        if shape.gate == "silu":
-            gate, up = c[:, :shape.c_cols], c[:, shape.c_cols:]
-            with np.errstate(over="ignore"):  # exp(-gate) is inf far below zero, where silu is -0
-                return {"C": gate / (1 + np.exp(-gate)) * up}
-        return {"C": c}
+            c = product64(a, element.widen(inputs["B"][:, :shape.n]).astype(np.float64))
+        else:
+            c = product64(a, element.widen(inputs["B"][:, :shape.k]).astype(np.float64).T)
+        return {"C": _epilogue64(shape, c, inputs)}
 
     def gate_runs(self, shape: Shape, run: dict[str, int], params: Params) -> list[dict[str, int]]:
         return [{}]
 
     def bytes_moved(self, shape: Shape, run: dict[str, int]) -> int:
         return (shape.element.itemsize * (shape.m + shape.n) * shape.k  # either layout
-                + OUTPUTS[shape.c_dtype].itemsize * shape.m * shape.c_cols)
+                + OUTPUTS[shape.c_dtype].itemsize * (shape.m * shape.c_cols * (2 if shape.residual else 1)
+                                                     + (shape.n if shape.bias else 0)))
 
     def flops(self, shape: Shape) -> int:
         return 2 * shape.m * shape.n * shape.k
@@ -708,8 +751,17 @@ class GemmSm90(OpFamily):
                                   "layout": "one value, multiplying C" if size == (1,) else
                                   f"row-major, a scale per {'row and' if name == 'scale_a' else '128 rows (of N) and'} "
                                   f"{SCALE_BLOCK} of K", "alignment_bytes": 4}
-                           for name, size in _scale_shapes(shape).items()}},
-            "aliasing": "C must not overlap A or B (no in-place use): every pointer is declared __restrict__",
+                           for name, size in _scale_shapes(shape).items()},
+                        **({"bias": {"dtype": out.name, "shape": [shape.n],
+                                     "layout": "contiguous, one per row of B, added before the gate",
+                                     "alignment_bytes": out.itemsize}} if shape.bias else {}),
+                        **({"residual": {"dtype": out.name, "shape": [shape.m, shape.c_cols],
+                                         "layout": f"row-major, contiguous, row stride {shape.c_cols} elements, added "
+                                                   "last",
+                                         "alignment_bytes": out.itemsize * (2 if c_pairs(shape, p) else 1)}}
+                           if shape.residual else {})},
+            "aliasing": "C must not overlap A, B or any other input (no in-place use): every pointer is declared "
+                        "__restrict__",
             **(self._working(shape, p) if p.split_k > 1 else {}),
             "scalars": {},
             "tensor_maps": {name: spec.to_dict() for name, spec in self.tensor_maps(shape, p).items()},
