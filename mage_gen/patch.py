@@ -15,7 +15,9 @@ Under torch.compile, an Inductor post-grad pass (Fusions) fuses what a custom op
   kernel that writes both the sum and the norm, as Inductor fuses them itself for torch's norms;
 - a routed linear whose product is split in halves that only feed silu(first) * second, SwiGLU over a fused
   gate_up weight (fuse_gated_linears): one gated kernel (mage_gen.torch.linear(..., gate="silu")) computes it
-  from the sums, and the product is never written nor read back.
+  from the sums, and the product is never written nor read back;
+- an add of a routed linear's product, its only use, and a tensor of its shape (fuse_residual_linears, after the
+  norms have taken the sums they normalize): the kernel adds it in its epilogue (linear(..., residual=r)).
 """
 
 from __future__ import annotations
@@ -159,8 +161,8 @@ def _swap(module: nn.Module, gemm: set[tuple[int, int]], norm_ds: dict[str, set[
 
 
 class Fusions(CustomGraphPass):
-    """Inductor's post-grad pass: fuse_gated_linears, fuse_residual_norms, then the pass it was installed over, if
-    any."""
+    """Inductor's post-grad pass: fuse_gated_linears, fuse_residual_norms, fuse_residual_linears, then the pass it
+    was installed over, if any."""
 
     def __init__(self, then: Any = None):
         self.then = then
@@ -168,6 +170,7 @@ class Fusions(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         fuse_gated_linears(graph)
         fuse_residual_norms(graph)
+        fuse_residual_linears(graph)
         if self.then is not None:
             self.then(graph)
 
@@ -206,7 +209,29 @@ def fuse_residual_norms(graph: torch.fx.Graph) -> None:
 
 # mage_gen::linear's arguments in order, with their defaults
 _LINEAR_ARGS = (("x", None), ("weight", None), ("bias", None), ("scale_x", None), ("scale_weight", None),
-                ("cublas_where_faster", False), ("gate", "none"))
+                ("cublas_where_faster", False), ("gate", "none"), ("residual", None))
+
+
+def fuse_residual_linears(graph: torch.fx.Graph) -> None:
+    """add(y, r) (either order), where y is a mage_gen::linear product with no residual whose only use is the add,
+    and r a tensor of y's shape and dtype -> mage_gen::linear(..., residual=r), one kernel."""
+    for total in list(graph.nodes):
+        if not _fusable_sum(total):
+            continue
+        for product, residual in (total.args, total.args[::-1]):
+            if not (product.target is torch.ops.mage_gen.linear.default and _only_feeds([product], {total})):
+                continue
+            values = _linear_values(product)
+            if values["residual"] is not None:
+                continue
+            with graph.inserting_before(total):
+                fused = graph.call_function(torch.ops.mage_gen.linear.default,
+                                            tuple({**values, "residual": residual}.values()))
+            fused.meta["val"] = total.meta["val"]
+            total.replace_all_uses_with(fused)
+            graph.erase_node(total)
+            graph.erase_node(product)
+            break
 
 
 def fuse_gated_linears(graph: torch.fx.Graph) -> None:

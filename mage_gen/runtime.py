@@ -169,7 +169,7 @@ def matmul(c: int, a: int, b: int, m: int, n: int, k: int, stream: int = 0, *, d
 
 def gemm(c: int, a: int, b: int, m: int, n: int, k: int, stream: int = 0, *, device: int = 0,
          c_dtype: str = "bf16", b_layout: str = "nk", precision: str = "bf16", scale_a: int = 0,
-         scale_b: int = 0, gate: str = "none") -> None:
+         scale_b: int = 0, gate: str = "none", bias: int = 0, residual: int = 0) -> None:
     """C = A·Bᵀ (b_layout nk: B N×K, an nn.Linear weight) or C = A·B (kn: B K×N) on Hopper's tensor cores (op
     gemm_sm90): A (m×k) and B bfloat16, C (m×n) c_dtype (bf16 or fp32), all row-major, for an (n, k) tuned on this
     GPU at some M: the entry tuned at the nearest M (dispatch.CLASS_RULE) runs, compiled for this m (once; NVRTC
@@ -179,10 +179,12 @@ def gemm(c: int, a: int, b: int, m: int, n: int, k: int, stream: int = 0, *, dev
     addresses of one fp32 each, as torch._scaled_mm; e4m3_block: of DeepGEMM's fp32 block scales, A's M × ⌈K/128⌉
     and B's ⌈N/128⌉ × ⌈K/128⌉, row-major. gate silu (B N×K): B's first n/2 rows are a gate's, the rest an up's,
     and C is m × n/2: silu(A·B_gateᵀ) ⊙ A·B_upᵀ (SwiGLU); with no entry of its own it runs the plain product's
-    entry for (n, k). A split-K winner gets its workspace and counters from the
+    entry for (n, k). bias: the address of n elements of C's type added to the sums first (one per row of B);
+    residual: of an m × (C's columns) tensor of C's type added last; 0: none. A split-K winner gets its workspace and counters from the
     runtime, one set per stream: launches on two streams at once never share them."""
-    dims = {"m": m, "n": n, "k": k, "precision": precision, "c_dtype": c_dtype, "b_layout": b_layout, "gate": gate}
-    shape = _gemm_shape(m, n, k, precision, c_dtype, b_layout, gate)  # before any call to the driver
+    dims = {"m": m, "n": n, "k": k, "precision": precision, "c_dtype": c_dtype, "b_layout": b_layout, "gate": gate,
+            "bias": bool(bias), "residual": bool(residual)}
+    shape = _gemm_shape(m, n, k, precision, c_dtype, b_layout, gate, bool(bias), bool(residual))  # before the driver
     if not (a and b and c) or (a | b) % TMA_ALIGNMENT:
         check_alignment("gemm_sm90", {"C": 1, "A": TMA_ALIGNMENT, "B": TMA_ALIGNMENT}, {"C": c, "A": a, "B": b})
     pointers = {"C": c, "A": a, "B": b}
@@ -191,9 +193,12 @@ def gemm(c: int, a: int, b: int, m: int, n: int, k: int, stream: int = 0, *, dev
         pointers.update(scale_a=scale_a, scale_b=scale_b)
     elif scale_a or scale_b:
         raise LaunchError(f"gemm_sm90: scale_a and scale_b multiply an e4m3 product; a {precision} one takes none")
-    item = shape.element.itemsize
-    _check_disjoint(c, m * shape.c_cols * (4 if c_dtype == "fp32" else 2), a, _extent(m, k, shape.lda * item, item), b,
-                    _extent(shape.b_rows, k if b_layout == "nk" else n, shape.ldb * item, item))
+    pointers.update({name: address for name, address in (("bias", bias), ("residual", residual)) if address})
+    item, out = shape.element.itemsize, (4 if c_dtype == "fp32" else 2)
+    c_bytes = m * shape.c_cols * out
+    _check_disjoint(c, c_bytes, {"A": (a, _extent(m, k, shape.lda * item, item)),
+                                 "B": (b, _extent(shape.b_rows, k if b_layout == "nk" else n, shape.ldb * item, item)),
+                                 "bias": (bias, n * out), "residual": (residual, c_bytes)})
     launch("gemm_sm90", dims, {}, pointers, {}, stream, device=device, tuned_only=True)
 
 
@@ -202,21 +207,23 @@ def _extent(rows: int, cols: int, row_bytes: int, item: int) -> int:
     return (rows - 1) * row_bytes + cols * item
 
 
-def _check_disjoint(c: int, c_bytes: int, a: int, a_bytes: int, b: int, b_bytes: int) -> None:
-    """C may not overlap A or B: the kernel reads them while it writes C, and a tile would read what another wrote."""
-    for name, start, size in (("A", a, a_bytes), ("B", b, b_bytes)):
-        if c < start + size and start < c + c_bytes:
+def _check_disjoint(c: int, c_bytes: int, inputs: dict[str, tuple[int, int]]) -> None:
+    """C may not overlap an input ({name: (address, bytes)}; address 0: none): the kernel reads them while it writes
+    C, and a tile would read what another wrote."""
+    for name, (start, size) in inputs.items():
+        if start and c < start + size and start < c + c_bytes:
             raise LaunchError(f"gemm_sm90: C [{c:#x}, {c + c_bytes:#x}) overlaps {name} [{start:#x}, "
                               f"{start + size:#x}); give C memory of its own")
 
 
 @lru_cache(maxsize=256)
-def _gemm_shape(m: int, n: int, k: int, precision: str, c_dtype: str, b_layout: str, gate: str) -> Any:
+def _gemm_shape(m: int, n: int, k: int, precision: str, c_dtype: str, b_layout: str, gate: str, bias: bool,
+                residual: bool) -> Any:
     """The op's shape, or a refusal of sizes, a precision, a C type or a B layout the kernel cannot take (checked
     once per shape: a refusal is not kept)."""
     try:
         return get_op("gemm_sm90").shape(m=m, n=n, k=k, precision=precision, c_dtype=c_dtype, b_layout=b_layout,
-                                         gate=gate)
+                                         gate=gate, bias=bias, residual=residual)
     except ConfigError as exc:
         raise LaunchError(f"gemm_sm90: {exc}") from None
 

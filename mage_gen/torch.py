@@ -7,6 +7,7 @@
     y = linear(x, weight, bias=None)            # x: (..., K), weight: (N, K) bf16 CUDA, an (N, K) tuned at some M
     y = linear(x8, w8, scale_x=sx, scale_weight=sw)  # fp8 e4m3 with per-tensor scales, as torch._scaled_mm
     a = linear(x, gate_up, gate="silu")         # silu(x·W_gateᵀ) ⊙ x·W_upᵀ, gate_up = [W_gate; W_up], one kernel
+    h = linear(a, down, residual=h)             # h + a·downᵀ, the add in the kernel's epilogue
     c = matmul(a, b)                            # a: (M, K), b: (K, N): float32 at a tuned (M, N, K); bf16 as linear
     routes = patch(model)                       # a model's linear layers and norms, where tuned, in place
 
@@ -331,7 +332,7 @@ def _check_gemm(fn: str, m: int, n: int, k: int, b_layout: str, precision: str =
 
 def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   scale_x: torch.Tensor | None = None, scale_weight: torch.Tensor | None = None,
-                  gate: str = "none") -> tuple[int, int, int]:
+                  gate: str = "none", residual: torch.Tensor | None = None) -> tuple[int, int, int]:
     """(M, N, K) of F.linear(x, weight, bias) (fp8: scaled; gated: N the weight's rows) for the Hopper kernel, or an
     error naming the argument."""
     fn = _GEMM.torch_name
@@ -362,10 +363,15 @@ def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if gate != "none":
         if gate not in _GATES:
             raise LaunchError(f"{fn}: gate is one of {_GATES}, got {gate!r}")
-        if bias is not None or n % 2:
+        if n % 2:
             raise LaunchError(f"{fn}: gate {gate} takes a weight of an even number of rows (the gate's, then the "
-                              f"up's) and no bias, got {n} rows{' and a bias' if bias is not None else ''}; add a "
-                              "bias to the product before the gate with gate='none' and torch")
+                              f"up's), got {n}")
+    if residual is not None:
+        _check_tensor(fn, "residual", residual, x.device, dtypes=(_bfloat16,))
+        cols = n // 2 if gate != "none" else n
+        if tuple(residual.shape) != (*x.shape[:-1], cols):
+            raise LaunchError(f"{fn}: residual must have the result's shape {(*x.shape[:-1], cols)}, got "
+                              f"{tuple(residual.shape)}")
     m = x.numel() // k
     if m:
         _check_gemm(fn, m, n, k, "nk", "e4m3" if fp8 else "bf16")
@@ -375,74 +381,77 @@ def _check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 @torch.library.custom_op("mage_gen::linear", mutates_args=())
 def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                scale_x: Optional[torch.Tensor] = None, scale_weight: Optional[torch.Tensor] = None,
-               cublas_where_faster: bool = False, gate: str = "none") -> torch.Tensor:
-    return _linear_impl(x, weight, bias, scale_x, scale_weight, cublas_where_faster, gate)
+               cublas_where_faster: bool = False, gate: str = "none",
+               residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return _linear_impl(x, weight, bias, scale_x, scale_weight, cublas_where_faster, gate, residual)
 
 
 @_linear_op.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], scale_x: Optional[torch.Tensor] = None,
-      scale_weight: Optional[torch.Tensor] = None, cublas_where_faster: bool = False, gate: str = "none") -> torch.Tensor:
-    _, n, _ = _check_linear(x, weight, bias, scale_x, scale_weight, gate)
+      scale_weight: Optional[torch.Tensor] = None, cublas_where_faster: bool = False, gate: str = "none",
+      residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    _, n, _ = _check_linear(x, weight, bias, scale_x, scale_weight, gate, residual)
     return x.new_empty((*x.shape[:-1], n // 2 if gate != "none" else n), dtype=_bfloat16)
 
 
 def _linear_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale_x: torch.Tensor | None = None,
                  scale_weight: torch.Tensor | None = None, cublas_where_faster: bool = False,
-                 gate: str = "none") -> torch.Tensor:
-    m, n, k = _check_linear(x, weight, bias, scale_x, scale_weight, gate)
+                 gate: str = "none", residual: torch.Tensor | None = None) -> torch.Tensor:
+    m, n, k = _check_linear(x, weight, bias, scale_x, scale_weight, gate, residual)
     cols = n // 2 if gate != "none" else n
     if not m:
         return torch.empty((*x.shape[:-1], cols), dtype=_bfloat16, device=x.device)
     index, scales = x.get_device(), () if scale_x is None else (scale_x, scale_weight)
-    prepared = _gemm_launch(index, m, n, k, "nk", "e4m3" if scales else "bf16", gate)
+    prepared = _gemm_launch(index, m, n, k, "nk", "e4m3" if scales else "bf16", gate, bias is not None,
+                            residual is not None)
     if cublas_where_faster and prepared.cublas_faster and not scales:  # dispatch.PEER_RULE
         y = _F.linear(x, weight, bias)
-        return y if gate == "none" else _F.silu(y[..., :cols]) * y[..., cols:]
+        y = y if gate == "none" else _F.silu(y[..., :cols]) * y[..., cols:]
+        return y if residual is None else y + residual
     y = torch.empty((*x.shape[:-1], cols), dtype=_bfloat16, device=x.device)  # bf16 whatever x is, as _scaled_mm's
-    _gemm(index, prepared, y, x, weight, "nk", scales)
-    if bias is not None:
-        y.add_(bias)  # a second kernel: the Hopper kernel's epilogue has no bias
+    _gemm(index, prepared, y, x, weight, "nk", scales, tuple(t for t in (bias, residual) if t is not None))
     return y
 
 
-def _gemm_launch(index: int, m: int, n: int, k: int, b_layout: str, precision: str,
-                 gate: str = "none") -> runtime.Prepared:
-    key = (index, _GEMM.name, m, n, k, b_layout, precision, gate)
+def _gemm_launch(index: int, m: int, n: int, k: int, b_layout: str, precision: str, gate: str = "none",
+                 bias: bool = False, residual: bool = False) -> runtime.Prepared:
+    key = (index, _GEMM.name, m, n, k, b_layout, precision, gate, bias, residual)
     prepared = launches.get(key)
     if prepared is None:
         prepared = launches[key] = _prepare(index, _GEMM.name, {"m": m, "n": n, "k": k, "b_layout": b_layout,
-                                                                 "precision": precision, "gate": gate}, {},
-                                            tuned_only=True)
+                                                                 "precision": precision, "gate": gate, "bias": bias,
+                                                                 "residual": residual}, {}, tuned_only=True)
     return prepared
 
 
 def _gemm(index: int, prepared: runtime.Prepared, c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, b_layout: str,
-          scales: tuple[torch.Tensor, ...] = ()) -> None:
+          scales: tuple[torch.Tensor, ...] = (), addends: tuple[torch.Tensor, ...] = ()) -> None:
     fn = (_GEMM if b_layout == "nk" else _MATMUL).torch_name
     for name, t in ((("x", a), ("weight", b)) if b_layout == "nk" else (("a", a), ("b", b))):
         if t.data_ptr() % 16:  # named here as the caller knows it, before the runtime's check names the kernel's
             raise LaunchError(f"{fn}: {name} starts at {t.data_ptr():#x}, not on 16 bytes, where TMA reads rows "
                               f"from; pass {name}.clone() (a view into the middle of a tensor can start anywhere)")
-    _launch(prepared, index, (c.data_ptr(), a.data_ptr(), b.data_ptr(), *(t.data_ptr() for t in scales)))
+    _launch(prepared, index, (c.data_ptr(), a.data_ptr(), b.data_ptr(), *(t.data_ptr() for t in (*scales, *addends))))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            scale_x: torch.Tensor | None = None, scale_weight: torch.Tensor | None = None,
-           cublas_where_faster: bool = False, gate: str = "none") -> torch.Tensor:
+           cublas_where_faster: bool = False, gate: str = "none", residual: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) on Hopper's tensor cores (fp32 accumulation, one rounding to bf16): x (..., K),
     weight (N, K) as nn.Linear keeps it, bias (N,) bf16 or None, all contiguous CUDA. x and weight bf16 (K a multiple
     of 8), or torch.float8_e4m3fn (K a multiple of 16) with scale_x and scale_weight, one float32 each: then
     y = scale_x·scale_weight·x·weightᵀ in bf16, as torch._scaled_mm. The kernel is this GPU's entry tuned for (N, K)
     at the M (rows of x) nearest this one's, compiled for this M on first use; an (N, K) tuned at no M is refused.
-    bias is added by a second kernel. cublas_where_faster: a bf16 product at an M whose serving entry's tune timed
+    bias is added to the sums in the kernel. cublas_where_faster: a bf16 product at an M whose serving entry's tune timed
     cuBLAS faster calls F.linear instead (dispatch.PEER_RULE), as a patched model does. gate="silu" (SwiGLU, no
     bias): weight's first N/2 rows are a gate projection's and the rest an up projection's (a fused gate_up
-    weight), and the result (..., N/2) is silu(x·W_gateᵀ) ⊙ x·W_upᵀ from one kernel, the product never written; an
-    (N, K) with no gated entry runs its plain entry's params."""
-    if (is_eager(x, weight) and (bias is None or type(bias) is _Tensor)
-            and (scale_x is None or type(scale_x) is _Tensor) and (scale_weight is None or type(scale_weight) is _Tensor)):
-        return _linear_impl(x, weight, bias, scale_x, scale_weight, cublas_where_faster, gate)
-    return _linear_op(x, weight, bias, scale_x, scale_weight, cublas_where_faster, gate)
+    weight), and the result (..., N/2) is silu(x·W_gateᵀ) ⊙ x·W_upᵀ from one kernel, the product never written (a
+    bias is added before the gate). residual: a bf16 tensor of the result's shape added last, in the kernel (a
+    layer's h + down(x)). An (N, K) with no entry of its own for the gate, bias or residual runs its plain entry's
+    params."""
+    if (is_eager(x, weight) and all(t is None or type(t) is _Tensor for t in (bias, scale_x, scale_weight, residual))):
+        return _linear_impl(x, weight, bias, scale_x, scale_weight, cublas_where_faster, gate, residual)
+    return _linear_op(x, weight, bias, scale_x, scale_weight, cublas_where_faster, gate, residual)
 
 
 def patch(model: torch.nn.Module, gpu_name: str | None = None) -> Any:

@@ -470,7 +470,8 @@ def test_a_patched_layer_compiled_by_inductor_matches_float32_and_fuses_its_add_
 
 def test_a_gated_linear_matches_float64_in_a_graph_and_under_compile():
     """linear(x, gate_up, gate="silu"): silu(x·W_gateᵀ) ⊙ x·W_upᵀ from one kernel, the params of the plain entry of
-    the same weight (6144×4096), at M on both sides of a class, eagerly, in a CUDA graph and under torch.compile."""
+    the same weight (6144×4096), at M on both sides of a class, eagerly (with a residual added in the kernel too), in
+    a CUDA graph and under torch.compile."""
     from mage_gen.dtypes import BFLOAT16
 
     on_h200()
@@ -483,6 +484,9 @@ def test_a_gated_linear_matches_float64_in_a_graph_and_under_compile():
         ref = torch.nn.functional.silu(product[:, :n // 2]) * product[:, n // 2:]
         tolerance = GEMM.tolerance_of(GEMM.shape(m=m, n=n, k=k, gate="silu"), "C", BFLOAT16)
         assert relative_error(mt.linear(x, weight, gate="silu"), ref) <= tolerance, m
+        r = torch.randn(m, n // 2, device="cuda", generator=g).to(torch.bfloat16)
+        summed = GEMM.tolerance_of(GEMM.shape(m=m, n=n, k=k, gate="silu", residual=True), "C", BFLOAT16)
+        assert relative_error(mt.linear(x, weight, gate="silu", residual=r), ref + r.double()) <= summed, m
         y = torch.empty(m, n // 2, device="cuda", dtype=torch.bfloat16)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

@@ -162,3 +162,33 @@ def test_a_product_the_gated_kernel_cannot_stand_for_is_left_alone(why, fn):
     before = targets(gm)
     routing.fuse_gated_linears(gm.graph)
     assert targets(gm) == before and gated(gm) == [], why
+
+
+def test_an_add_of_a_routed_product_becomes_its_residual_unless_a_norm_takes_the_sum():
+    def layer(x, w, r, g):
+        h = r + torch.ops.mage_gen.linear(x, w, None)  # feeds the norm: the norm's residual form takes it
+        y = torch.ops.mage_gen.rms_norm(h, g, 1e-6)
+        return torch.ops.mage_gen.linear(y, w, None) + h  # the epilogue's residual
+
+    gm = decomposed(layer, (8, 4096), (4096, 4096), (8, 4096), (4096,))
+    routing.Fusions()(gm.graph)
+    gm.graph.lint()
+    assert torch.ops.aten.add.Tensor not in targets(gm)
+    assert targets(gm).count(torch.ops.mage_gen.rms_norm_residual.default) == 1
+    linears = [n for n in gm.graph.nodes if n.target is torch.ops.mage_gen.linear.default]
+    assert [n.args[-1] is not None for n in linears] == [False, True]
+    (_, h) = sorted(next(iter(linears[0].users)).users, key=lambda n: n.args[1])
+    assert linears[1].args[-1] is h and gm.graph.output_node().args[0] is linears[1]
+
+
+@pytest.mark.parametrize("why, fn, r", [
+    ("the product is used elsewhere", lambda x, w, r: (lambda y: (y + r, y))(torch.ops.mage_gen.linear(x, w, None)),
+     (8, 4096)),
+    ("a broadcast add", lambda x, w, r: torch.ops.mage_gen.linear(x, w, None) + r, (4096,)),
+    ("a sum of two tensors", lambda x, w, r: x + r, (8, 4096)),
+])
+def test_an_add_the_epilogue_cannot_take_is_left_alone(why, fn, r):
+    gm = decomposed(fn, (8, 4096), (4096, 4096), r)
+    before = targets(gm)
+    routing.fuse_residual_linears(gm.graph)
+    assert targets(gm) == before, why

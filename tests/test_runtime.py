@@ -230,21 +230,24 @@ def test_an_fp8_linear_under_fake_tensors_gives_bf16():
         assert y.shape == (2, 3, 6144) and y.dtype == BF16
 
 
-# gate="silu": (x, weight, bias, gate)
-BAD_GATED_LINEAR = [
-    (lambda: (bf16(4, 64), bf16(33, 64), None, "silu"), "gate silu takes a weight of an even number of rows"),
-    (lambda: (bf16(4, 64), bf16(32, 64), bf16(32), "silu"), "gate silu takes .* and no bias, got 32 rows and a bias"),
-    (lambda: (bf16(4, 64), bf16(32, 64), None, "gelu"), r"gate is one of \('none', 'silu'\), got 'gelu'"),
+# the epilogue's arguments: (x, weight, gate, residual)
+BAD_EPILOGUE_LINEAR = [
+    (lambda: (bf16(4, 64), bf16(33, 64), "silu", None), "gate silu takes a weight of an even number of rows .*, got 33"),
+    (lambda: (bf16(4, 64), bf16(32, 64), "gelu", None), r"gate is one of \('none', 'silu'\), got 'gelu'"),
+    (lambda: (bf16(4, 64), bf16(32, 64), "silu", bf16(4, 32)), r"residual must have the result's shape \(4, 16\)"),
+    (lambda: (bf16(2, 3, 64), bf16(32, 64), "none", bf16(6, 32)), r"residual must have the result's shape \(2, 3, 32\)"),
+    (lambda: (bf16(4, 64), bf16(32, 64), "none", fake(4, 32)), "residual must be bfloat16, got torch.float32"),
+    (lambda: (bf16(4, 64), bf16(32, 64), "none", bf16(32, 4).T), "residual must be contiguous"),
 ]
 
 
-@pytest.mark.parametrize("make, message", BAD_GATED_LINEAR)
-def test_a_gated_linear_refuses_what_the_kernel_cannot_take_in_one_line(make, message):
+@pytest.mark.parametrize("make, message", BAD_EPILOGUE_LINEAR)
+def test_a_linear_refuses_an_epilogue_the_kernel_cannot_take_in_one_line(make, message):
     with FakeTensorMode():
-        x, weight, bias, gate = make()
-        for call in (lambda: mt.linear(x, weight, bias, gate=gate),
-                     lambda: torch.ops.mage_gen.linear(x, weight, bias, None, None, False, gate)):
-            with pytest.raises(LaunchError, match="^mage_gen.torch.linear: " + message) as info:
+        x, weight, gate, residual = make()
+        for call in (lambda: mt.linear(x, weight, gate=gate, residual=residual),
+                     lambda: torch.ops.mage_gen.linear(x, weight, None, None, None, False, gate, residual)):
+            with pytest.raises((LaunchError, TypeError), match="^mage_gen.torch.linear: " + message) as info:
                 call()
             assert "\n" not in str(info.value)
 
@@ -254,6 +257,8 @@ def test_a_gated_linear_under_fake_tensors_gives_half_the_weights_rows():
         y = torch.ops.mage_gen.linear(bf16(2, 3, 4096), bf16(6144, 4096), None, None, None, True, "silu")
         assert y.shape == (2, 3, 3072) and y.dtype == BF16
         assert mt.linear(bf16(0, 4096), bf16(32, 4096), gate="silu").shape == (0, 16)
+        y = mt.linear(bf16(5, 4096), bf16(32, 4096), bf16(32), gate="silu", residual=bf16(5, 16))
+        assert y.shape == (5, 16)  # a bias before the gate, a residual after it
 
 
 @pytest.mark.parametrize("make, message", BAD_LINEAR)
@@ -716,17 +721,19 @@ def test_linear_calls_cublas_only_where_asked_and_the_serving_tune_saw_cublas_wi
 
 
 @pytest.mark.parametrize("cublas_faster", [True, False])
-def test_a_gated_linear_where_cublas_won_is_torchs_product_then_silu_times_up(monkeypatch, cublas_faster):
-    prepared, launched = type("Served", (), {"cublas_faster": cublas_faster})(), []
+def test_an_epilogue_where_cublas_won_is_torchs_product_bias_gate_and_residual(monkeypatch, cublas_faster):
+    prepared, asked, launched = type("Served", (), {"cublas_faster": cublas_faster})(), [], []
     monkeypatch.setattr(mt, "_check_linear", lambda x, weight, *rest: (x.shape[0], weight.shape[0], x.shape[1]))
-    monkeypatch.setattr(mt, "_gemm_launch", lambda *args: launched.append(args[-1]) or prepared)
-    monkeypatch.setattr(mt, "_gemm", lambda index, served, c, *rest: c.fill_(7))
-    x, weight = torch.randn(4, 64).to(BF16), torch.randn(32, 64).to(BF16)
-    y = mt._linear_impl(x, weight, None, cublas_where_faster=True, gate="silu")
-    product = torch.nn.functional.linear(x, weight)
-    expected = (torch.nn.functional.silu(product[:, :16]) * product[:, 16:] if cublas_faster
+    monkeypatch.setattr(mt, "_gemm_launch", lambda *args: asked.append(args[6:]) or prepared)
+    monkeypatch.setattr(mt, "_gemm", lambda index, served, c, *rest: launched.append(rest[-1]) or c.fill_(7))
+    x, weight, bias = torch.randn(4, 64).to(BF16), torch.randn(32, 64).to(BF16), torch.randn(32).to(BF16)
+    residual = torch.randn(4, 16).to(BF16)
+    y = mt._linear_impl(x, weight, bias, cublas_where_faster=True, gate="silu", residual=residual)
+    product = torch.nn.functional.linear(x, weight, bias)
+    expected = (torch.nn.functional.silu(product[:, :16]) * product[:, 16:] + residual if cublas_faster
                 else torch.full((4, 16), 7.0, dtype=BF16))
-    assert launched == ["silu"] and torch.equal(y, expected)
+    assert asked == [("silu", True, True)] and torch.equal(y, expected)
+    assert launched == ([] if cublas_faster else [(bias, residual)])  # the kernel takes both, in that order
 
 
 def test_a_gated_gemm_with_no_entry_of_its_own_runs_its_plain_weights_unless_they_cannot_pair_sums():
