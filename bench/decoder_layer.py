@@ -126,7 +126,8 @@ def bench_tokens(name: str, tokens: int) -> dict:
             print(f"{name} {tokens}: {way}: compiling and checking", flush=True)
             errors[way] = relative_error(fn(*args), expected)
             subjects.append(TorchSubject(way, lambda fn=fn: fn(*args)))
-        row = {"tokens": tokens, "routes": {"linear": routes.linear, "norm": routes.norm, "left": routes.left},
+        row = {"tokens": tokens, "routes": {"linear": routes.linear, "gated": routes.gated, "norm": routes.norm,
+                                            "left": routes.left},
                "relative_error_vs_float32": errors, "tolerance": TOLERANCE, "timings": {}, "over_best_compile": {}}
         failed = [way for way, err in errors.items() if not err <= TOLERANCE]
         if failed:

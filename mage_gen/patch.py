@@ -7,6 +7,10 @@ measured winner, never a default config:
 
 - nn.Linear in bf16 whose weight (N, K) has a gemm_sm90 entry at some M (K a multiple of 8) -> mage_gen.torch.linear,
   which calls cuBLAS at an M whose serving entry's tune timed cuBLAS faster (dispatch.PEER_RULE)
+- a SwiGLU MLP of the Hugging Face kind (a module with nn.Linear gate_proj, up_proj and down_proj and a SiLU act_fn,
+  as Llama's, Mistral's and Qwen's are) whose (2·intermediate, hidden) has an entry -> GatedMLP: the gate and up
+  projections' weights become the two halves of one tensor (views: the same parameters, names and values), and
+  one gated kernel (mage_gen.torch.linear(..., gate="silu")) computes act_fn(gate_proj(x)) * up_proj(x)
 - nn.RMSNorm, nn.LayerNorm over their last dimension, and RMSNorm modules of the Hugging Face kind (a class named
   *RMSNorm with a 1-D weight and `variance_epsilon` or `eps`), whose d has a tuned norm entry -> mage_gen.torch's
 
@@ -89,17 +93,52 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
 
+class GatedMLP(nn.Module):
+    """A SwiGLU MLP of the Hugging Face kind, down_proj(act_fn(gate_proj(x)) * up_proj(x)), whose gate and up
+    projections run as one gated kernel over one weight (gate_up: gate_proj's rows over up_proj's; their
+    parameters become views of it, so the model keeps its parameters, names and values). Where the kernel cannot
+    take x, the MLP's own arithmetic runs. Patch a model where it will run: moved to another device or dtype
+    afterwards, its parameters would no longer be views of gate_up."""
+
+    def __init__(self, mlp: nn.Module, down_proj: nn.Module):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj, self.act_fn = mlp.gate_proj, mlp.up_proj, down_proj, mlp.act_fn
+        self.register_buffer("gate_up", _views_of_one(self.gate_proj, self.up_proj, "weight"), persistent=False)
+        biased = self.gate_proj.bias is not None
+        self.register_buffer("gate_up_bias", _views_of_one(self.gate_proj, self.up_proj, "bias") if biased else None,
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype is _BF16 and _routable(x, self.gate_proj.weight, self.up_proj.weight, self.gate_proj.bias):
+            hidden = mt.linear(x, self.gate_up, self.gate_up_bias, cublas_where_faster=True, gate="silu")
+        else:
+            hidden = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
+        return self.down_proj(hidden)
+
+
+def _views_of_one(first: nn.Linear, second: nn.Linear, name: str) -> torch.Tensor:
+    """first's and second's parameter `name` concatenated along dim 0, each module's parameter replaced by its view of
+    the result (the same values, requires_grad and name)."""
+    joined = torch.cat([getattr(first, name).detach(), getattr(second, name).detach()])
+    rows = getattr(first, name).shape[0]
+    for module, part in ((first, joined[:rows]), (second, joined[rows:])):
+        setattr(module, name, nn.Parameter(part, requires_grad=getattr(module, name).requires_grad))
+    return joined
+
+
 @dataclass(frozen=True)
 class Routes:
-    """What patch did: each routed layer's name by kind, and each layer of a routable kind it left, with why."""
+    """What patch did: each routed layer's name by kind (gated: the MLPs whose gate and up projections run as one
+    gated kernel), and each layer of a routable kind it left, with why."""
 
     linear: list[str] = field(default_factory=list)
     norm: list[str] = field(default_factory=list)
+    gated: list[str] = field(default_factory=list)
     left: dict[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
-        return (f"mage-gen routes {len(self.linear)} linear layers and {len(self.norm)} norms"
-                + (f"; left {len(self.left)} to torch" if self.left else ""))
+        return (f"mage-gen routes {len(self.linear)} linear layers, {len(self.gated)} gated MLPs and "
+                f"{len(self.norm)} norms" + (f"; left {len(self.left)} to torch" if self.left else ""))
 
 
 def _rms_eps(module: nn.Module) -> float | None:
@@ -122,17 +161,58 @@ def patch_model(model: nn.Module, gpu_name: str | None = None) -> Routes:
             if (s.precision, s.c_dtype, s.b_layout) == ("bf16", "bf16", "nk")}
     norm_ds = {name: {s.d for s in tuned_shapes(get_op(name), gpu_name)} for name in ("rmsnorm", "layernorm")}
     routes = Routes()
-    for parent_name, parent in list(model.named_modules()):
-        for child_name, child in list(parent.named_children()):
-            name = f"{parent_name}.{child_name}" if parent_name else child_name
-            swapped, why = _swap(child, gemm, norm_ds)
-            if swapped is not None:
-                setattr(parent, child_name, swapped)
-                (routes.linear if isinstance(swapped, Linear) else routes.norm).append(name)
-            elif why:
-                routes.left[name] = why
+    _patch_children(model, "", gemm, norm_ds, routes)
     install_fusion()
     return routes
+
+
+def _patch_children(parent: nn.Module, prefix: str, gemm: set[tuple[int, int]], norm_ds: dict[str, set[int]],
+                    routes: Routes) -> None:
+    for child_name, child in list(parent.named_children()):
+        name = prefix + child_name
+        why = _gated_mlp_refusal(child, gemm)
+        if why == "":
+            down, down_why = _swap(child.down_proj, gemm, norm_ds)
+            setattr(parent, child_name, GatedMLP(child, down or child.down_proj))
+            routes.gated.append(name)
+            _record(routes, f"{name}.down_proj", down, down_why)
+            continue
+        if why is not None:
+            routes.left[f"{name} (gate and up as one)"] = why
+        swapped, why = _swap(child, gemm, norm_ds)
+        if swapped is not None:
+            setattr(parent, child_name, swapped)
+        _record(routes, name, swapped, why)
+        if swapped is None:
+            _patch_children(child, name + ".", gemm, norm_ds, routes)
+
+
+def _record(routes: Routes, name: str, swapped: nn.Module | None, why: str) -> None:
+    if swapped is not None:
+        (routes.linear if isinstance(swapped, Linear) else routes.norm).append(name)
+    elif why:
+        routes.left[name] = why
+
+
+def _gated_mlp_refusal(module: nn.Module, gemm: set[tuple[int, int]]) -> str | None:
+    """None where module is no SwiGLU MLP of the Hugging Face kind; "" where GatedMLP takes it; else why not."""
+    parts = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    act = getattr(module, "act_fn", None)
+    if not (all(isinstance(p, nn.Linear) for p in parts) and isinstance(act, nn.Module)
+            and type(act).__name__ in ("SiLU", "SiLUActivation")):
+        return None
+    gate, up, _ = parts
+    n, k = 2 * gate.out_features, gate.in_features
+    if (up.out_features, up.in_features) != (gate.out_features, k):
+        return f"gate_proj {tuple(gate.weight.shape)} and up_proj {tuple(up.weight.shape)} differ"
+    if {gate.weight.dtype, up.weight.dtype} != {_BF16} or gate.weight.device != up.weight.device:
+        return "gate_proj and up_proj are not both bf16 on one device; the Hopper kernel takes bf16"
+    if (gate.bias is None) != (up.bias is None):
+        return "one of gate_proj and up_proj has a bias and the other not"
+    if k % 8 or (n, k) not in gemm:
+        return (f"nothing tuned for their joined weight N={n}, K={k} on this GPU: mage-gen tune gemm_sm90 --m 128 "
+                f"--n {n} --k {k} --config gate=silu")
+    return ""
 
 
 def _swap(module: nn.Module, gemm: set[tuple[int, int]], norm_ds: dict[str, set[int]]) -> tuple[Any, str]:

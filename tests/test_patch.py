@@ -45,7 +45,7 @@ def test_patch_routes_only_what_is_tuned_and_says_why_it_left_the_rest():
     assert routes.left["odd"].startswith("no layernorm tuned for d=1000")
     assert isinstance(model.o, routing.Linear) and isinstance(model.norm, routing.RMSNorm)
     assert model.norm.eps == 1e-5 and set(model.state_dict()) == keys  # the same parameters under the same names
-    assert str(routes) == "mage-gen routes 1 linear layers and 2 norms; left 3 to torch"
+    assert str(routes) == "mage-gen routes 1 linear layers, 0 gated MLPs and 2 norms; left 3 to torch"
 
 
 def test_a_routed_layer_runs_torch_where_the_kernel_cannot_take_the_input():
@@ -95,17 +95,23 @@ def test_a_broadcast_add_or_a_norm_of_no_sum_is_left_alone():
     assert targets(gm) == before
 
 
-def test_the_pass_is_installed_once_before_any_pass_already_there(monkeypatch):
+def test_the_pass_is_installed_once_before_any_pass_already_there():
     import torch._inductor.config as inductor
 
     seen = []
-    monkeypatch.setattr(inductor, "post_grad_custom_pre_pass", seen.append)
-    routing.install_fusion()
-    routing.install_fusion()
-    installed = inductor.post_grad_custom_pre_pass
-    assert isinstance(installed, routing.Fusions) and installed.then == seen.append
-    installed(torch.fx.Graph())
-    assert len(seen) == 1
+    # set and put back by hand: after monkeypatch's undo, Inductor's config module reports the attribute as missing
+    # to every later reader
+    was = inductor.post_grad_custom_pre_pass
+    inductor.post_grad_custom_pre_pass = seen.append
+    try:
+        routing.install_fusion()
+        routing.install_fusion()
+        installed = inductor.post_grad_custom_pre_pass
+        assert isinstance(installed, routing.Fusions) and installed.then == seen.append
+        installed(torch.fx.Graph())
+        assert len(seen) == 1
+    finally:
+        inductor.post_grad_custom_pre_pass = was
 
 
 def decomposed(fn, *shapes):
@@ -192,3 +198,45 @@ def test_an_add_the_epilogue_cannot_take_is_left_alone(why, fn, r):
     before = targets(gm)
     routing.fuse_residual_linears(gm.graph)
     assert targets(gm) == before, why
+
+
+class LlamaMLP(torch.nn.Module):  # the Hugging Face kind: gate_proj, up_proj, down_proj, act_fn SiLU
+    def __init__(self, hidden, intermediate, bias=False):
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(hidden, intermediate, bias=bias, dtype=BF16)
+        self.up_proj = torch.nn.Linear(hidden, intermediate, bias=bias, dtype=BF16)
+        self.down_proj = torch.nn.Linear(intermediate, hidden, bias=False, dtype=BF16)
+        self.act_fn = torch.nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_swiglu_mlp_runs_its_gate_and_up_as_one_weight_keeping_its_parameters(bias):
+    model = torch.nn.Sequential(LlamaMLP(4096, 3072, bias))  # gate and up joined: 6144×4096, tuned at some M
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(3, 4096, dtype=BF16)
+    expected = model(x)
+    routes = mt.patch(model, gpu_name=H200)
+    mlp = model[0]
+    assert isinstance(mlp, routing.GatedMLP) and routes.gated == ["0"] and routes.linear == []
+    assert routes.left == {"0.down_proj": "nothing tuned for N=4096, K=3072 on this GPU: mage-gen tune gemm_sm90 "
+                                          "--m 128 --n 4096 --k 3072"}
+    assert mlp.gate_up.shape == (6144, 4096) and (mlp.gate_up_bias is not None) == bias
+    assert mlp.gate_proj.weight.data_ptr() == mlp.gate_up.data_ptr()  # views of the one weight the kernel reads
+    assert mlp.up_proj.weight.data_ptr() == mlp.gate_up[3072:].data_ptr()
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+    assert torch.equal(model(x), expected)  # on the CPU: the MLP's own arithmetic
+    model.load_state_dict({k: torch.zeros_like(v) for k, v in before.items()})
+    assert not mlp.gate_up.any()  # loaded weights reach the joined one
+
+
+def test_an_mlp_whose_joined_weight_is_untuned_is_left_to_its_layers_and_says_why():
+    model = torch.nn.Sequential(LlamaMLP(4096, 1000))
+    routes = mt.patch(model, gpu_name=H200)
+    assert isinstance(model[0], LlamaMLP) and routes.gated == [] and routes.linear == []
+    assert routes.left["0 (gate and up as one)"] == ("nothing tuned for their joined weight N=2000, K=4096 on this GPU: "
+                                                     "mage-gen tune gemm_sm90 --m 128 --n 2000 --k 4096 --config gate=silu")
+    assert set(routes.left) == {"0 (gate and up as one)", "0.gate_proj", "0.up_proj", "0.down_proj"}

@@ -5,6 +5,7 @@ timed hot and cold in interleaved rounds with the peers, and each one's round-by
 reported. --gate-only checks configs at a shape without timing (tails).
 
     python -m bench.probes.gemm_sm90_configs --shape 4096x4096x4096 --config bm=128,bn=256 --config bm=128,bn=128
+    python -m bench.probes.gemm_sm90_configs --shape 2048x28672x4096 --epilogue gate=silu --config bn=256,epilogue=tma
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def main() -> None:
     parser.add_argument("--config", action="append", default=[], help="KEY=VALUE,... of one config (repeatable)")
     parser.add_argument("--precision", choices=("bf16", "e4m3", "e4m3_block"), default="bf16",
                         help="A and B: bf16, or e4m3 with per-tensor or block scales (cuBLAS is then torch._scaled_mm)")
+    parser.add_argument("--epilogue", default="", help="the shape's epilogue fields, e.g. gate=silu,bias=true,"
+                                                        "residual=true (cuBLAS's product is then followed by torch's)")
     parser.add_argument("--gate-only", action="store_true")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--per-round", type=int, default=5)
@@ -65,7 +68,7 @@ def main() -> None:
     for text in args.shape:
         dims, _, out = text.partition(":")
         m, n, k = (int(v) for v in dims.split("x"))
-        shape = op.shape(m=m, n=n, k=k, c_dtype=out or "bf16", precision=args.precision)
+        shape = op.shape(m=m, n=n, k=k, c_dtype=out or "bf16", precision=args.precision, **parse_config(args.epilogue))
         bench = Bench(op, shape, {}, seed=m + n + k)
         subjects, labels = [], {}
         for config in args.config or [""]:
