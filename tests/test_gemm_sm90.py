@@ -530,3 +530,34 @@ def test_an_epilogue_names_its_kernel_and_key_and_is_served_by_the_plain_entry()
     assert OP.shape_key(shape) == "m=256,n=2048,k=512,bias,residual/bf16/nk/bf16"
     assert "_bias_residual_m256" in OP.kernel_name(shape, OP.params_from_dict({}))
     assert OP.epilogue_fields == ("gate", "bias", "residual")
+
+
+# ---- chains: a stage's wgmma steps dealt over several accumulator sets, added at the tile's end ----
+
+@pytest.mark.parametrize("shape, values", [
+    (dict(m=129, n=136, k=200, c_dtype="fp32"), {"chains": 4}),
+    (dict(m=20, n=200, k=300), {"bn": 16, "swap": True, "chains": 4, "split_k": 2}),
+    (dict(m=17, n=130, k=300, precision="e4m3"), {"chains": 2, "inflight": 0}),
+    (dict(m=70, n=272, k=200, gate="silu"), {"bn": 128, "chains": 2, "schedule": "pingpong", "consumers": 2, "grid": 1}),
+    (dict(m=129, n=136, k=73, b_layout="kn", c_dtype="fp32"), {"chains": 4}),
+])
+def test_chained_accumulators_pass_the_gate_on_the_interpreter(shape, values):
+    shape = OP.shape(**shape)
+    variant = build(OP, shape, OP.params_from_dict({**SMALL, **values}), "sm_90")
+    chains = values["chains"]
+    assert variant.source.text.count(f"float chain{chains - 1}[") == 1 and f"_a{chains}_" in variant.source.kernel_name
+    result = interp.gate(OP, shape, variant, {}, np.random.default_rng(6))
+    assert result.passed, result.reason
+    if shape.c_dtype == "fp32":
+        assert result.errors["fixed"] < 1e-6
+
+
+def test_chains_hold_more_accumulators_and_block_scales_take_one():
+    shape = OP.shape(m=256, n=256, k=256)
+    with pytest.raises(ConfigError, match="^registers: 256 accumulators"):
+        OP.validate(shape, OP.params_from_dict({"bn": 256, "chains": 2}))
+    with pytest.raises(ConfigError, match="^chains: chains is one of"):
+        OP.validate(shape, OP.params_from_dict({"chains": 3}))
+    with pytest.raises(ConfigError, match="^chains: e4m3_block sums each stage apart"):
+        OP.validate(OP.shape(m=256, n=256, k=256, precision="e4m3_block"),
+                    OP.params_from_dict({"bn": 64, "chains": 2, "inflight": 0}))

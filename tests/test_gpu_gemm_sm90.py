@@ -221,6 +221,24 @@ def test_an_epilogue_matches_the_float64_reference_at_tails(device, stream, fiel
     assert result.passed, f"{params.label()} at {shape}: {result.reason}"
 
 
+# chains: a stage's wgmma steps dealt over several accumulator sets (small tiles, swapped, fp8, the default tile)
+CHAINED = [("bf16", {"bm": 64, "bn": 64, "consumers": 1, "stages": 8, "chains": 4}),
+           ("bf16", {"bm": 64, "bn": 16, "consumers": 1, "swap": True, "chains": 4, "split_k": 2}),
+           ("bf16", {"chains": 2, "epilogue": "tma"}),
+           ("e4m3", {"bm": 64, "bn": 128, "consumers": 1, "chains": 2, "split_k": 2})]
+
+
+@pytest.mark.parametrize("precision, values", CHAINED,
+                         ids=lambda v: v if isinstance(v, str) else ",".join(f"{k}={x}" for k, x in v.items()))
+@pytest.mark.parametrize("m, n, k", TAILS)
+def test_chained_accumulators_match_the_float64_reference_at_tails(device, stream, precision, values, m, n, k):
+    shape = OP.shape(m=m, n=n, k=k, precision=precision)
+    params = OP.params_from_dict({"grid": device.sms, **values})
+    OP.validate(shape, params)
+    result = gate_on_gpu(OP, device, stream, shape, params)
+    assert result.passed, f"{params.label()} at {shape}: {result.reason}"
+
+
 def test_a_large_reference_is_computed_on_the_gpu_and_agrees_with_numpy(device):
     import numpy as np
 

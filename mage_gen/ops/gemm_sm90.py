@@ -80,6 +80,7 @@ MULTICASTS = ("b", "a")  # which operand a cluster's CTAs share: B (tiles of one
 SCHEDULES = ("cooperative", "pingpong")
 MAX_ORDER_TABLE = 16384  # tiles a Hilbert order's table may list (4 bytes each, in constant memory)
 EPILOGUES = ("direct", "tma")
+CHAINS = (1, 2, 4)
 # test-only bugs the gate must catch: the descriptors' swizzle differs from the tensor maps', the stride byte
 # offset is half what it is, the producer waits for a phase a fresh barrier has not completed (a hang), the TMA
 # store reads the staging tile without the proxy fence after the threads wrote it; under split K, the counter is
@@ -155,6 +156,9 @@ class Params:
     group: int = 8  # tile rows of a super-row (order grouped)
     producer_regs: int = 40  # registers per thread the producer keeps (setmaxnreg); 0: no redistribution
     inflight: int = 1  # wgmma groups left running while the next stage's are issued: 0 or 1
+    # accumulator sets a stage's k16 steps are dealt over in turn, added at the tile's end: a small tile's wgmmas
+    # then need not each wait for the one before
+    chains: int = 1
     epilogue: str = "direct"
     grid: int = 0  # CTAs of the persistent grid, at most one per tile; 0: one per tile
     split_k: int = 1  # slices of K a tile is split into, each a unit of work; their partials summed in order
@@ -172,7 +176,8 @@ class Params:
                 + (f" x{self.cluster}{self.multicast}" if self.cluster > 1 else "")
                 + f" {self.order}"
                 + (f"{self.group}" if self.order == "grouped" else "") + f" r{self.producer_regs} f{self.inflight}"
-                f" {self.epilogue}" + (f" grid≤{self.grid}" if self.grid else "")
+                + (f" chains{self.chains}" if self.chains > 1 else "")
+                + f" {self.epilogue}" + (f" grid≤{self.grid}" if self.grid else "")
                 + (f" split{self.split_k}" if self.split_k > 1 else "") + (" swap" if self.swap else "")
                 + (f" PLANTED {self.plant}" if self.plant else ""))
 
@@ -374,8 +379,9 @@ def _register_room(s: Shape, p: Params) -> bool:
 
 
 def _held(s: Shape, p: Params) -> int:
-    """Floats a consumer thread holds: its accumulators, twice over with block scales (a stage's sums apart)."""
-    return _accumulators(p) * (2 if s.precision == "e4m3_block" else 1)
+    """Floats a consumer thread holds: its accumulators, once per chain, and twice over with block scales (a
+    stage's sums apart)."""
+    return _accumulators(p) * p.chains * (2 if s.precision == "e4m3_block" else 1)
 
 
 _RULES: tuple[Rule, ...] = (
@@ -412,6 +418,11 @@ _RULES: tuple[Rule, ...] = (
     Rule("b-layout", lambda s, p: s.b_layout == "nk" or p.bn % (64 * _shares(p)[1]) == 0,
          lambda s, p: f"with B K×N (kn) the B tile comes in boxes of 64 columns: bn={p.bn} must be a multiple of "
                       f"{64 * _shares(p)[1]}" + (" where a cluster shares B" if _shares(p)[1] > 1 else "")),
+    Rule("chains", lambda s, p: p.chains in CHAINS,
+         lambda s, p: f"chains is one of {CHAINS} accumulator sets (a stage's {ROW_BYTES // KSTEP_BYTES} wgmma steps "
+                      f"dealt over them), got {p.chains}"),
+    Rule("chains", lambda s, p: p.chains == 1 or s.precision != "e4m3_block",
+         lambda s, p: "e4m3_block sums each stage apart for its scales: it takes chains 1"),
     Rule("registers", lambda s, p: p.producer_regs == 0 or (p.producer_regs % 8 == 0 and 24 <= p.producer_regs <= 256),
          lambda s, p: f"producer_regs is 0 (no setmaxnreg) or a multiple of 8 in 24..256, got {p.producer_regs}"),
     Rule("registers", _register_room,
@@ -580,7 +591,8 @@ class GemmSm90(OpFamily):
                 + ("_pp" if p.schedule == "pingpong" else "")
                 + (f"_x{p.cluster}" + ("a" if p.multicast == "a" else "") if p.cluster > 1 else "")
                 + f"_{order}_r{p.producer_regs}"
-                f"_f{p.inflight}_{epilogue(shape, p)}" + (f"_k{p.split_k}" if p.split_k > 1 else "")
+                f"_f{p.inflight}" + (f"_a{p.chains}" if p.chains > 1 else "")
+                + f"_{epilogue(shape, p)}" + (f"_k{p.split_k}" if p.split_k > 1 else "")
                 + ("_sw" if p.swap else "")
                 + (f"_bug_{p.plant}" if p.plant else ""))
 
@@ -614,7 +626,7 @@ class GemmSm90(OpFamily):
             UP_ROWS_AT=shape.n // 2, BIAS=shape.bias, RESIDUAL=shape.residual, B_ROWS=shape.n,
             C_TYPE=out.c_type, C_PTX=out.ptx, C_PAIRS=c_pairs(shape, p), SWAP=p.swap,
             ORDER=p.order, GROUP=p.group, PRODUCER_REGS=p.producer_regs, CONSUMER_REGS=consumer_regs(p),
-            INFLIGHT=p.inflight, EPILOGUE=epilogue(shape, p), WATCHDOG_NS=p.watchdog_ms * 1_000_000, PLANT=p.plant,
+            INFLIGHT=p.inflight, CHAINS=p.chains, EPILOGUE=epilogue(shape, p), WATCHDOG_NS=p.watchdog_ms * 1_000_000, PLANT=p.plant,
             SWIZZLE=64 if p.plant == "swizzle" else SWIZZLE, SBO=SBO // 2 if p.plant == "sbo" else SBO,
             # split K: the workspace holds SLICE_FLOATS a slice (every tile's partial); PART_THREADS threads hold a
             # tile's accumulators (one consumer's under pingpong) and meet at SPLIT_BARRIER (named barriers 1 and 2
