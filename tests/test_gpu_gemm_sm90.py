@@ -173,7 +173,7 @@ def test_split_k_at_m_16_is_timed_through_a_captured_graph(device):
     assert evaluation.hot is not None and evaluation.hot.median_us > 0
 
 
-# Swapped operands and fp8 (per-tensor and block scales): the gate's random inputs against float64 within the
+# Swapped operands, fp8 (per-tensor and block scales) and chains: the gate's random inputs against float64 within the
 # tolerance e4m3's precision and K give (ops/gemm_sm90.py tolerance_of), at each tail shape
 SWAPPED_AND_FP8 = [("bf16", {"bm": 64, "bn": 16, "consumers": 1, "swap": True}),
                    ("bf16", {"bm": 64, "bn": 32, "consumers": 1, "swap": True, "split_k": 2}),
@@ -183,13 +183,18 @@ SWAPPED_AND_FP8 = [("bf16", {"bm": 64, "bn": 16, "consumers": 1, "swap": True}),
                    ("e4m3", {"bm": 64, "bn": 16, "consumers": 1, "swap": True}),
                    ("e4m3", {"schedule": "pingpong", "epilogue": "tma"}),
                    ("e4m3_block", {"inflight": 0}),
-                   ("e4m3_block", {"bm": 64, "bn": 128, "consumers": 1, "inflight": 0, "split_k": 2})]
+                   ("e4m3_block", {"bm": 64, "bn": 128, "consumers": 1, "inflight": 0, "split_k": 2}),
+                   # chains: a stage's wgmma steps dealt over several accumulator sets
+                   ("bf16", {"bm": 64, "bn": 64, "consumers": 1, "stages": 8, "chains": 4}),
+                   ("bf16", {"bm": 64, "bn": 16, "consumers": 1, "swap": True, "chains": 4, "split_k": 2}),
+                   ("bf16", {"chains": 2, "epilogue": "tma"}),
+                   ("e4m3", {"bm": 64, "bn": 128, "consumers": 1, "chains": 2, "split_k": 2})]
 
 
 @pytest.mark.parametrize("precision, values", SWAPPED_AND_FP8,
                          ids=lambda v: v if isinstance(v, str) else ",".join(f"{k}={x}" for k, x in v.items()) or "-")
 @pytest.mark.parametrize("m, n, k", TAILS)
-def test_swapped_and_fp8_products_match_the_float64_reference_at_tails(device, stream, precision, values, m, n, k):
+def test_swapped_and_fp8_and_chained_products_match_the_float64_reference_at_tails(device, stream, precision, values, m, n, k):
     shape = OP.shape(m=m, n=n, k=k, precision=precision)
     params = OP.params_from_dict({"grid": device.sms, **values})
     OP.validate(shape, params)
@@ -215,24 +220,6 @@ def test_an_epilogue_matches_the_float64_reference_at_tails(device, stream, fiel
     if "gate" in fields:
         n += -n % 16 if values.get("epilogue") == "tma" else n % 2
     shape = OP.shape(m=m, n=n, k=k, **fields)
-    params = OP.params_from_dict({"grid": device.sms, **values})
-    OP.validate(shape, params)
-    result = gate_on_gpu(OP, device, stream, shape, params)
-    assert result.passed, f"{params.label()} at {shape}: {result.reason}"
-
-
-# chains: a stage's wgmma steps dealt over several accumulator sets (small tiles, swapped, fp8, the default tile)
-CHAINED = [("bf16", {"bm": 64, "bn": 64, "consumers": 1, "stages": 8, "chains": 4}),
-           ("bf16", {"bm": 64, "bn": 16, "consumers": 1, "swap": True, "chains": 4, "split_k": 2}),
-           ("bf16", {"chains": 2, "epilogue": "tma"}),
-           ("e4m3", {"bm": 64, "bn": 128, "consumers": 1, "chains": 2, "split_k": 2})]
-
-
-@pytest.mark.parametrize("precision, values", CHAINED,
-                         ids=lambda v: v if isinstance(v, str) else ",".join(f"{k}={x}" for k, x in v.items()))
-@pytest.mark.parametrize("m, n, k", TAILS)
-def test_chained_accumulators_match_the_float64_reference_at_tails(device, stream, precision, values, m, n, k):
-    shape = OP.shape(m=m, n=n, k=k, precision=precision)
     params = OP.params_from_dict({"grid": device.sms, **values})
     OP.validate(shape, params)
     result = gate_on_gpu(OP, device, stream, shape, params)
