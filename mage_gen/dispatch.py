@@ -24,8 +24,8 @@ RULE = ("the entries on the launch's side of the L2 size first (the bytes a laun
 CLASS_RULE = ("of the entries equal to the launch's shape in every field but the class dims (gemm_sm90: the same "
               "N, K, precision, C type and B layout), whose params are valid for its sizes, the one tuned at the "
               "nearest class sizes on a log scale (the larger on a tie); where none is, the same among the entries "
-              "that also differ in the op's epilogue fields (gemm_sm90: gate: a gated product runs the plain one's "
-              "main loop); none: the shape is untuned")
+              "that also differ in the op's epilogue fields (gemm_sm90: gate, bias, residual: they change what the "
+              "kernel does with its sums, not its main loop); none: the shape is untuned")
 PEER_RULE = ("mage_gen.torch.linear asked with cublas_where_faster=True (as a patched model's nn.Linear asks) calls "
              "F.linear (cuBLAS) instead of the kernel for a bf16 product whose serving entry was timed slower than "
              "cuBLAS in its tune's final round, by the tune's objective (hot, cold, or the geometric mean of both)")

@@ -109,7 +109,8 @@ class GatedMLP(nn.Module):
                              persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype is _BF16 and _routable(x, self.gate_proj.weight, self.up_proj.weight, self.gate_proj.bias):
+        if x.dtype is _BF16 and _routable(x, self.gate_proj.weight, self.up_proj.weight, self.gate_proj.bias,
+                                          self.up_proj.bias):
             hidden = mt.linear(x, self.gate_up, self.gate_up_bias, cublas_where_faster=True, gate="silu")
         else:
             hidden = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
@@ -316,8 +317,8 @@ def fuse_residual_linears(graph: torch.fx.Graph) -> None:
 
 def fuse_gated_linears(graph: torch.fx.Graph) -> None:
     """mul(silu(g), u), where g and u are the first and second halves (along the last dimension) of a
-    mage_gen::linear product with no bias and no other use -> mage_gen::linear(..., gate="silu") of the same x
-    and weight, one kernel. silu as Inductor's decompositions leave it (x / (1 + exp(-x)), with dtype conversions
+    mage_gen::linear product with no other use -> mage_gen::linear(..., gate="silu") of the same x, weight and bias
+    (added before the gate, as in the product), one kernel. silu as Inductor's decompositions leave it (x / (1 + exp(-x)), with dtype conversions
     around it), as x·sigmoid(x), or whole; every node between the product and the mul must have no other use."""
     aten = torch.ops.aten
     for mul in list(graph.nodes):
@@ -333,7 +334,7 @@ def fuse_gated_linears(graph: torch.fx.Graph) -> None:
             if linear is None or not _only_feeds([*chain, gate_half, up], {mul}):
                 continue
             values = _linear_values(linear)
-            if values["bias"] is not None or values["gate"] != "none":
+            if values["gate"] != "none" or values["residual"] is not None:
                 continue
             with graph.inserting_before(mul):
                 gated = graph.call_function(torch.ops.mage_gen.linear.default,

@@ -442,9 +442,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     of 8), or torch.float8_e4m3fn (K a multiple of 16) with scale_x and scale_weight, one float32 each: then
     y = scale_x·scale_weight·x·weightᵀ in bf16, as torch._scaled_mm. The kernel is this GPU's entry tuned for (N, K)
     at the M (rows of x) nearest this one's, compiled for this M on first use; an (N, K) tuned at no M is refused.
-    bias is added to the sums in the kernel. cublas_where_faster: a bf16 product at an M whose serving entry's tune timed
-    cuBLAS faster calls F.linear instead (dispatch.PEER_RULE), as a patched model does. gate="silu" (SwiGLU, no
-    bias): weight's first N/2 rows are a gate projection's and the rest an up projection's (a fused gate_up
+    bias is added to the sums in the kernel. cublas_where_faster: a bf16 product at an M whose serving entry's tune
+    timed cuBLAS faster calls F.linear instead (dispatch.PEER_RULE), as a patched model does. gate="silu" (SwiGLU):
+    weight's first N/2 rows are a gate projection's and the rest an up projection's (a fused gate_up
     weight), and the result (..., N/2) is silu(x·W_gateᵀ) ⊙ x·W_upᵀ from one kernel, the product never written (a
     bias is added before the gate). residual: a bf16 tensor of the result's shape added last, in the kernel (a
     layer's h + down(x)). An (N, K) with no entry of its own for the gate, bias or residual runs its plain entry's
