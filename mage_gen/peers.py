@@ -131,6 +131,27 @@ if triton is not None:
         tl.store(C + rows[:, None] * N + cols[None, :], acc.to(C.dtype.element_ty),
                  mask=(rows[:, None] < M) & (cols[None, :] < N))
 
+    @triton.jit
+    def _triton_gemm_epilogue(P, BIAS, R, C, COLS, P_STRIDE, UP_AT, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
+                              GATE: tl.constexpr, RESIDUAL: tl.constexpr):
+        # C = silu(P + bias) · (P_up + bias_up) + R over a product P (rows P_STRIDE apart, the up half UP_AT columns
+        # on), each part where its flag says, in fp32, one pass: what Inductor makes of the pointwise work after a
+        # cuBLAS product. One program per BLOCK columns of a row.
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = cols < COLS
+        g = tl.load(P + row * P_STRIDE + cols, mask=inside).to(tl.float32)
+        if HAS_BIAS:
+            g += tl.load(BIAS + cols, mask=inside).to(tl.float32)
+        if GATE:
+            u = tl.load(P + row * P_STRIDE + UP_AT + cols, mask=inside).to(tl.float32)
+            if HAS_BIAS:
+                u += tl.load(BIAS + UP_AT + cols, mask=inside).to(tl.float32)
+            g = g * tl.sigmoid(g) * u
+        if RESIDUAL:
+            g += tl.load(R + row * COLS + cols, mask=inside).to(tl.float32)
+        tl.store(C + row * COLS + cols, g.to(C.dtype.element_ty), mask=inside)
+
 
 class TorchSubject(TimedAlone):
     """A callable that enqueues work on torch's current stream, timed like a generated kernel."""
@@ -451,36 +472,41 @@ def strided_bf16_gemm_peers(shape: Any, inputs: dict[str, np.ndarray], eps: floa
 
 def _epilogue_peers(shape: Any, inputs: dict[str, np.ndarray], eps: float, inductor: bool,
                     tensor_of: Callable[[str, DType], Any], output_of: _Outputs) -> dict[str, Any]:
-    """cuBLAS's plain product (the peers of the same shape with no epilogue, each writing a product of its own),
-    then by torch: + bias, C = silu(P[:, :N/2]) · P[:, N/2:], + residual, the last of them into C."""
+    """cuBLAS's plain product (the peers of the same shape with no epilogue, each writing a product of its own,
+    rounded to C's type as torch's is), then the rest into C: + bias, C = silu(P[:, :N/2]) · P[:, N/2:], + residual,
+    in one Triton pass (as Inductor fuses that pointwise work), or where Triton is missing by torch's ops in turn."""
     plain = dataclasses.replace(shape, gate="none", bias=False, residual=False)
     own = _Outputs({})  # the product is not C: never the kernel's output memory
     families = strided_bf16_gemm_peers(plain, inputs, eps, inductor, tensor_of, own)
     out_type, out = (torch.bfloat16, BFLOAT16) if shape.c_dtype == "bf16" else (torch.float32, FLOAT32)
     c = output_of("C", (shape.m, shape.c_cols), out_type)
     half = shape.c_cols
-    steps = []  # (what, op(P, out)), in the kernel's order
-    if shape.bias:
-        bias = tensor_of("bias", out)
-        steps.append(("P + bias", lambda p, out: torch.add(p, bias, out=out)))
-    if shape.gate == "silu":
-        steps.append(("F.silu(P[:, :N/2]) * P[:, N/2:]",
-                      lambda p, out: torch.mul(torch.nn.functional.silu(p[:, :half]), p[:, half:], out=out)))
-    if shape.residual:
-        residual = tensor_of("residual", out)
-        steps.append(("P + residual", lambda p, out: torch.add(p, residual, out=out)))
+    bias = tensor_of("bias", out) if shape.bias else None
+    residual = tensor_of("residual", out) if shape.residual else None
+    gated = shape.gate == "silu"
+    if triton is not None:
+        block = 1024
+        grid = (shape.m, triton.cdiv(half, block))
+
+        def rest(p: Any) -> Any:
+            _triton_gemm_epilogue[grid](p, bias if bias is not None else p, residual if residual is not None else p, c,
+                                        half, p.stride(0), half, BLOCK=block, HAS_BIAS=bias is not None, GATE=gated,
+                                        RESIDUAL=residual is not None)
+            return c
+        then = "one Triton pass: + bias, silu(gate) · up, + residual"
+    else:
+        def rest(p: Any) -> Any:
+            p = p + bias if bias is not None else p
+            p = torch.nn.functional.silu(p[:, :half]) * p[:, half:] if gated else p
+            return c.copy_(p + residual if residual is not None else p)
+        then = "torch: + bias, F.silu(P[:, :N/2]) * P[:, N/2:], + residual"
 
     def finished(subject: TorchSubject) -> TorchSubject:
-        def go():
-            p = subject.run()
-            for at, (_, step) in enumerate(steps):
-                p = step(p, c if at == len(steps) - 1 else None)
-            return p
-        return TorchSubject(subject.name, go, {**subject.config, "then": ", ".join(what for what, _ in steps)})
+        return TorchSubject(subject.name, lambda: rest(subject.run()), {**subject.config, "then": then})
 
     return {"cublas": [finished(s) for s in families["cublas"]],
-            "triton": "no kernel with this epilogue among the peers (Triton's product, then torch's ops, would time "
-                      "torch)"}
+            "triton": "no Triton product with this epilogue among the peers (cuBLAS's product is followed by Triton's "
+                      "pass)"}
 
 
 def _scaled_mm_peers(shape: Any, tensor_of: Callable[[str, DType], Any], output_of: _Outputs) -> dict[str, Any]:

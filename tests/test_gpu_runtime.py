@@ -473,6 +473,39 @@ def test_a_patched_layer_compiled_by_inductor_matches_float32_and_fuses_its_add_
     assert relative_error(y, ref) <= TOLERANCE
 
 
+def test_a_hugging_face_mlp_patched_runs_one_gated_kernel_and_matches_float32():
+    """A Llama MLP of the Hugging Face kind (gate_proj, up_proj, down_proj, SiLU): patch joins gate and up into one
+    weight (6144×4096, qkv's shape, whose plain entries serve the gated product), eagerly and under torch.compile."""
+    import copy
+
+    from bench.decoder_layer import TOLERANCE
+    from mage_gen.patch import GatedMLP
+
+    class LlamaMLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_proj, self.up_proj = (torch.nn.Linear(4096, 3072, bias=False) for _ in range(2))
+            self.down_proj = torch.nn.Linear(3072, 4096, bias=False)
+            self.act_fn = torch.nn.SiLU()
+
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    on_h200()
+    torch.manual_seed(0)
+    reference = LlamaMLP().cuda().eval()
+    model = torch.nn.Sequential(copy.deepcopy(reference).to(torch.bfloat16))
+    routes = mt.patch(model)
+    assert isinstance(model[0], GatedMLP) and routes.gated == ["0"]
+    x = torch.randn(300, 4096, device="cuda")
+    with torch.inference_mode():
+        ref = reference(x)
+        eager = model(x.to(torch.bfloat16))
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True)(x.to(torch.bfloat16))
+    assert relative_error(eager, ref) <= TOLERANCE and relative_error(compiled, ref) <= TOLERANCE
+
+
 def test_a_gated_linear_matches_float64_in_a_graph_and_under_compile():
     """linear(x, gate_up, gate="silu"): silu(x·W_gateᵀ) ⊙ x·W_upᵀ from one kernel, the params of the plain entry of
     the same weight (6144×4096), at M on both sides of a class, eagerly (with a residual added in the kernel too), in
