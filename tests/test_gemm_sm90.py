@@ -234,6 +234,17 @@ def test_a_k_by_n_b_arrives_in_boxes_of_64_columns_and_is_read_through_the_trans
 SMALL = {"bm": 64, "bn": 64, "consumers": 1, "stages": 2, "grid": 2, "producer_regs": 0}  # 256 threads, two CTAs
 
 
+def passes_the_gate_on_the_interpreter(shape, values, seed):
+    """The variant of SMALL and values at shape, once it has passed the gate on the interpreter (an fp32 C within
+    1e-6: silu's ex2 and rcp approximations are exact there, so what is left is the sums' rounding)."""
+    variant = build(OP, shape, OP.params_from_dict({**SMALL, **values}), "sm_90")
+    result = interp.gate(OP, shape, variant, {}, np.random.default_rng(seed))
+    assert result.passed, result.reason
+    if shape.c_dtype == "fp32":
+        assert result.errors["fixed"] < 1e-6
+    return variant
+
+
 def _whole_numbers(shape, rng):
     """Inputs of small whole numbers (bf16 holds them exactly, and fp32 sums them exactly), rows padded with NaN."""
     inputs = OP.make_inputs(shape, {}, rng)
@@ -438,12 +449,7 @@ def test_the_gates_inputs_are_the_same_for_a_seed_however_many_threads_draw_them
     (dict(m=33, n=258, k=150, c_dtype="fp32"), {"bn": 256}),
 ])
 def test_a_gated_product_passes_the_gate_on_the_interpreter(shape, values):
-    shape = OP.shape(**shape, gate="silu")
-    variant = build(OP, shape, OP.params_from_dict({**SMALL, **values}), "sm_90")
-    result = interp.gate(OP, shape, variant, {}, np.random.default_rng(3))
-    assert result.passed, result.reason
-    if shape.c_dtype == "fp32":  # silu's ex2 and rcp approximations (exact on the interpreter) aside, C is the sums'
-        assert result.errors["fixed"] < 1e-6
+    passes_the_gate_on_the_interpreter(OP.shape(**shape, gate="silu"), values, 3)
 
 
 def test_a_gated_tile_pairs_each_gate_sum_with_the_up_sum_of_the_same_column():
@@ -505,13 +511,9 @@ def test_a_gated_product_refuses_what_cannot_pair_its_sums(shape, values, rule):
 ])
 def test_a_bias_and_a_residual_pass_the_gate_on_the_interpreter(shape, values):
     shape = OP.shape(**shape)
-    variant = build(OP, shape, OP.params_from_dict({**SMALL, **values}), "sm_90")
     added = [name for name in ("bias", "residual") if getattr(shape, name)]
     assert [a.name for a in OP.args(shape)][-len(added):] == added  # after C, A, B and any scales
-    result = interp.gate(OP, shape, variant, {}, np.random.default_rng(4))
-    assert result.passed, result.reason
-    if shape.c_dtype == "fp32":
-        assert result.errors["fixed"] < 1e-6
+    passes_the_gate_on_the_interpreter(shape, values, 4)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "e4m3"])
@@ -542,14 +544,9 @@ def test_an_epilogue_names_its_kernel_and_key_and_is_served_by_the_plain_entry()
     (dict(m=129, n=136, k=73, b_layout="kn", c_dtype="fp32"), {"chains": 4}),
 ])
 def test_chained_accumulators_pass_the_gate_on_the_interpreter(shape, values):
-    shape = OP.shape(**shape)
-    variant = build(OP, shape, OP.params_from_dict({**SMALL, **values}), "sm_90")
+    variant = passes_the_gate_on_the_interpreter(OP.shape(**shape), values, 6)
     chains = values["chains"]
     assert variant.source.text.count(f"float chain{chains - 1}[") == 1 and f"_a{chains}_" in variant.source.kernel_name
-    result = interp.gate(OP, shape, variant, {}, np.random.default_rng(6))
-    assert result.passed, result.reason
-    if shape.c_dtype == "fp32":
-        assert result.errors["fixed"] < 1e-6
 
 
 def test_chains_hold_more_accumulators_and_block_scales_take_one():
@@ -561,3 +558,41 @@ def test_chains_hold_more_accumulators_and_block_scales_take_one():
     with pytest.raises(ConfigError, match="^chains: e4m3_block sums each stage apart"):
         OP.validate(OP.shape(m=256, n=256, k=256, precision="e4m3_block"),
                     OP.params_from_dict({"bn": 64, "chains": 2, "inflight": 0}))
+
+
+# ---- stream K: every tile's K steps dealt evenly over the grid's CTAs, a tile's pieces summed in CTA order ----
+
+@pytest.mark.parametrize("shape, values", [
+    # 9 tiles of 4 steps over 5 CTAs: shares begin and end inside tiles, a tile's first piece its CTA's last
+    (dict(m=129, n=136, k=200, c_dtype="fp32"), {"grid": 5}),
+    (dict(m=64, n=64, k=512, c_dtype="fp32"), {"grid": 3}),  # one tile in three pieces
+    (dict(m=70, n=272, k=300, gate="silu", bias=True), {"bn": 128, "grid": 4, "schedule": "pingpong", "consumers": 2}),
+    (dict(m=20, n=200, k=300, residual=True), {"bn": 16, "swap": True, "grid": 7, "chains": 2}),
+    (dict(m=17, n=130, k=600, precision="e4m3"), {"bn": 32, "grid": 5}),
+    (dict(m=128, n=256, k=512, precision="e4m3_block"), {"inflight": 0, "bn": 128, "grid": 3}),
+])
+def test_stream_k_passes_the_gate_on_the_interpreter(shape, values):
+    shape = OP.shape(**shape)
+    variant = passes_the_gate_on_the_interpreter(shape, {**values, "stream_k": True}, 8)
+    assert OP.geometry(shape, variant.params, {}).grid == (values["grid"], 1, 1)
+    assert variant.source.kernel_name.endswith("_sk" if not variant.params.swap else "_sk_sw")
+    assert [a.name for a in OP.launch_args(shape, variant.params)][-2:] == ["workspace", "counters"]
+
+
+def test_stream_k_keeps_two_partial_tiles_per_cta_and_says_how_it_sums():
+    from mage_gen.ops.gemm_sm90 import counters, workspace_floats
+
+    shape = OP.shape(m=129, n=136, k=200)
+    params = OP.params_from_dict({**SMALL, "grid": 3, "stream_k": True})
+    assert workspace_floats(shape, params) == 2 * 3 * 64 * 64 and counters(shape, params) == 3 * 3  # a counter a tile
+    assert OP.contract(shape, params)["determinism"].startswith("each tile of C is the sum of its partials (the pieces")
+
+
+def test_stream_k_takes_a_grid_of_single_ctas_and_no_split():
+    shape = OP.shape(m=256, n=256, k=256)
+    for values, got in (({"grid": 0}, "grid 0"), ({"grid": 132, "split_k": 2}, "split_k 2"),
+                        ({"grid": 132, "cluster": 2}, "cluster 2")):
+        with pytest.raises(ConfigError, match=f"^stream-k: .* got .*{got}"):
+            OP.validate(shape, OP.params_from_dict({**values, "stream_k": True}))
+    params = OP.params_from_dict({"grid": 132, "stream_k": True})
+    assert OP.geometry(OP.shape(m=64, n=128, k=128), params, {}).grid == (2, 1, 1)  # at most a CTA per step

@@ -173,7 +173,7 @@ def test_split_k_at_m_16_is_timed_through_a_captured_graph(device):
     assert evaluation.hot is not None and evaluation.hot.median_us > 0
 
 
-# Swapped operands, fp8 (per-tensor and block scales) and chains: the gate's random inputs against float64 within the
+# Swapped operands, fp8 (per-tensor and block scales), chains and stream K: the gate's random inputs against float64 within the
 # tolerance e4m3's precision and K give (ops/gemm_sm90.py tolerance_of), at each tail shape
 SWAPPED_AND_FP8 = [("bf16", {"bm": 64, "bn": 16, "consumers": 1, "swap": True}),
                    ("bf16", {"bm": 64, "bn": 32, "consumers": 1, "swap": True, "split_k": 2}),
@@ -188,7 +188,13 @@ SWAPPED_AND_FP8 = [("bf16", {"bm": 64, "bn": 16, "consumers": 1, "swap": True}),
                    ("bf16", {"bm": 64, "bn": 64, "consumers": 1, "stages": 8, "chains": 4}),
                    ("bf16", {"bm": 64, "bn": 16, "consumers": 1, "swap": True, "chains": 4, "split_k": 2}),
                    ("bf16", {"chains": 2, "epilogue": "tma"}),
-                   ("e4m3", {"bm": 64, "bn": 128, "consumers": 1, "chains": 2, "split_k": 2})]
+                   ("e4m3", {"bm": 64, "bn": 128, "consumers": 1, "chains": 2, "split_k": 2}),
+                   # stream K: every tile's K steps dealt over the grid, pieces summed in CTA order
+                   ("bf16", {"stream_k": True}),
+                   ("bf16", {"stream_k": True, "bn": 256, "stages": 3, "epilogue": "tma"}),
+                   ("bf16", {"stream_k": True, "schedule": "pingpong", "epilogue": "tma"}),
+                   ("bf16", {"stream_k": True, "bm": 64, "bn": 32, "consumers": 1, "swap": True, "stages": 8}),
+                   ("e4m3", {"stream_k": True, "bm": 64, "bn": 128, "consumers": 1, "stages": 8})]
 
 
 @pytest.mark.parametrize("precision, values", SWAPPED_AND_FP8,

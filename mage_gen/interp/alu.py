@@ -85,8 +85,10 @@ def _mul_wide(a, b):
 def _mul_hi(a, b):
     dt = np.asarray(a).dtype
     bits = dt.itemsize * 8
-    if bits == 64:
-        raise UnknownInstruction("mul.hi on 64-bit operands not implemented")
+    if bits == 64:  # the upper half of a 128-bit product, in Python's integers (a division by a constant's magic number)
+        a64, b64 = np.broadcast_arrays(np.asarray(a), np.asarray(b))
+        return np.array([(int(x) * int(y)) >> 64 for x, y in zip(a64.ravel(), b64.ravel())],
+                        dtype=dt).reshape(a64.shape)
     wide = np.int64 if dt.kind == "i" else np.uint64
     return ((np.asarray(a).astype(wide) * np.asarray(b).astype(wide)) >> bits).astype(dt)
 

@@ -26,6 +26,12 @@ counts itself in on the tile's counter (a release); the last to arrive sums the 
 the counter back to zero. The workspace (`workspace_floats`) and the counters (`counters`, zero on entry and left
 zero) are kernel arguments after B (launch_args); with split_k 1 the kernel is the one it was before.
 
+`stream_k` deals every tile's BK steps evenly over the persistent grid's CTAs (CTA c takes steps c·I/G to
+(c+1)·I/G − 1 of all I, tile after tile), so that no CTA idles through a last, partial wave; a CTA's share may begin
+or end inside a tile. A tile taken whole is stored at once; the pieces of one taken by several CTAs are summed as
+split K's slices are, in CTA order whichever arrives last (each CTA keeps two partial tiles in the workspace: its
+first piece and its last).
+
 `swap` has the kernel compute Cᵀ = B·Aᵀ (`computed`): its tiles, units and guards are of that product, its first
 operand's map is B's and its second A's, and it stores Cᵀ's (row, col) at C's (col, row), so that a few tokens take
 wgmma's narrow N rather than a mostly empty 64-row slab.
@@ -162,6 +168,7 @@ class Params:
     epilogue: str = "direct"
     grid: int = 0  # CTAs of the persistent grid, at most one per tile; 0: one per tile
     split_k: int = 1  # slices of K a tile is split into, each a unit of work; their partials summed in order
+    stream_k: bool = False  # every tile's K steps dealt evenly over the grid's CTAs, pieces summed in CTA order
     # the kernel computes Cᵀ = B·Aᵀ: its m64 slabs run over N and wgmma's N over M (a few tokens), C stored transposed
     swap: bool = False
     plant: str = ""  # a deliberate bug, for the tests of the gate only
@@ -178,7 +185,8 @@ class Params:
                 + (f"{self.group}" if self.order == "grouped" else "") + f" r{self.producer_regs} f{self.inflight}"
                 + (f" chains{self.chains}" if self.chains > 1 else "")
                 + f" {self.epilogue}" + (f" grid≤{self.grid}" if self.grid else "")
-                + (f" split{self.split_k}" if self.split_k > 1 else "") + (" swap" if self.swap else "")
+                + (f" split{self.split_k}" if self.split_k > 1 else "") + (" stream-k" if self.stream_k else "")
+                + (" swap" if self.swap else "")
                 + (f" PLANTED {self.plant}" if self.plant else ""))
 
 
@@ -231,8 +239,21 @@ def _workspace_tiles(shape: Shape, p: Params) -> tuple[int, int]:
     return units_m * share_b, units_n * share_a
 
 
+def reduces(p: Params) -> bool:
+    """Whether a tile may be computed in pieces summed through the workspace (split K or stream K)."""
+    return p.split_k > 1 or p.stream_k
+
+
+def stream_ctas(shape: Shape, p: Params) -> int:
+    """stream_k: the CTAs the tiles' BK steps are dealt over, the grid, at most one per step."""
+    return min(p.grid, int(np.prod(_units(shape, p))) * _kblocks(shape))
+
+
 def workspace_floats(shape: Shape, p: Params) -> int:
-    """fp32 words of the split-K workspace: a partial tile for every slice of every tile (0 with split_k 1)."""
+    """fp32 words of the workspace: split K, a partial tile for every slice of every tile; stream K, two partial
+    tiles per CTA (its first piece and its last); 0 otherwise."""
+    if p.stream_k:
+        return 2 * stream_ctas(shape, p) * p.bm * p.bn
     if p.split_k == 1:
         return 0
     rows, cols = _workspace_tiles(shape, p)
@@ -240,8 +261,8 @@ def workspace_floats(shape: Shape, p: Params) -> int:
 
 
 def counters(shape: Shape, p: Params) -> int:
-    """32-bit counters of the split-K reduction, one per tile (0 with split_k 1)."""
-    return 0 if p.split_k == 1 else int(np.prod(_workspace_tiles(shape, p)))
+    """32-bit counters of the reduction, one per tile (0 where nothing reduces)."""
+    return int(np.prod(_workspace_tiles(shape, p))) if reduces(p) else 0
 
 
 def consumer_rows(p: Params) -> int:
@@ -352,7 +373,7 @@ def _shared_bytes(shape: Shape, p: Params) -> int:
     out = OUTPUTS[shape.c_dtype]
     staging = p.consumers * consumer_rows(p) * out_bn(shape, p) * out.itemsize if epilogue(shape, p) == "tma" else 0
     order = 16 if p.schedule == "pingpong" else 0  # the consumers' two turn barriers
-    flags = 8 if p.split_k > 1 else 0  # split K: each tile's consumers agree there on which unit arrived last
+    flags = 8 if reduces(p) else 0  # each tile's consumers agree there on which unit arrived last
     return 1024 + p.stages * (p.bm + p.bn) * ROW_BYTES + staging + 2 * 8 * p.stages + order + flags  # 1024: to align
 
 
@@ -458,6 +479,9 @@ _RULES: tuple[Rule, ...] = (
     Rule("split-k", lambda s, p: p.split_k <= _kblocks(s),
          lambda s, p: f"split_k={p.split_k} slices need a {s.bk}-deep step of K each, and K={s.k} has {_kblocks(s)}; "
                       f"use split_k ≤ {_kblocks(s)}"),
+    Rule("stream-k", lambda s, p: not p.stream_k or (p.split_k == 1 and p.cluster == 1 and p.grid > 0),
+         lambda s, p: f"stream_k deals K steps over a persistent grid of single CTAs: it takes split_k 1, cluster 1 and "
+                      f"a grid, got split_k {p.split_k}, cluster {p.cluster}, grid {p.grid}"),
     Rule("plant", lambda s, p: p.plant in PLANTED_BUGS, lambda s, p: f"unknown planted bug {p.plant!r}"),
     Rule("plant", lambda s, p: p.plant not in SPLIT_PLANTS or p.split_k > 1,
          lambda s, p: f"{p.plant} is a bug of the split-K reduction: plant it with split_k > 1"),
@@ -549,7 +573,8 @@ class GemmSm90(OpFamily):
     # ---- launch ----
     def geometry(self, shape: Shape, p: Params, run: dict[str, int]) -> Launch:
         units = int(np.prod(_units(shape, p))) * p.split_k  # a cluster's CTAs take a unit together
-        return Launch(grid=(min(p.grid // p.cluster or units, units) * p.cluster, 1, 1), block=(p.threads, 1, 1),
+        ctas = stream_ctas(shape, p) if p.stream_k else min(p.grid // p.cluster or units, units) * p.cluster
+        return Launch(grid=(ctas, 1, 1), block=(p.threads, 1, 1),
                       dynamic_shared_bytes=_shared_bytes(shape, p), static_shared_bytes=0, cluster=(p.cluster, 1, 1))
 
     def launch_formula(self, shape: Shape, p: Params) -> dict[str, Any]:
@@ -592,7 +617,7 @@ class GemmSm90(OpFamily):
                 + (f"_x{p.cluster}" + ("a" if p.multicast == "a" else "") if p.cluster > 1 else "")
                 + f"_{order}_r{p.producer_regs}"
                 f"_f{p.inflight}" + (f"_a{p.chains}" if p.chains > 1 else "")
-                + f"_{epilogue(shape, p)}" + (f"_k{p.split_k}" if p.split_k > 1 else "")
+                + f"_{epilogue(shape, p)}" + (f"_k{p.split_k}" if p.split_k > 1 else "") + ("_sk" if p.stream_k else "")
                 + ("_sw" if p.swap else "")
                 + (f"_bug_{p.plant}" if p.plant else ""))
 
@@ -632,7 +657,10 @@ class GemmSm90(OpFamily):
             # tile's accumulators (one consumer's under pingpong) and meet at SPLIT_BARRIER (named barriers 1 and 2
             # are the TMA store's); the flag that says which unit arrived last lies past the mbarriers
             SPLIT=p.split_k, WS_TILES_N=_workspace_tiles(shape, p)[1], WS_TILES=int(np.prod(_workspace_tiles(shape, p))),
-            SLICE_FLOATS=workspace_floats(shape, p) // p.split_k, PART_THREADS=128 if p.schedule == "pingpong" else 128 * p.consumers,
+            SLICE_FLOATS=workspace_floats(shape, p) // p.split_k, REDUCES=reduces(p),
+            # stream K: ITERS BK steps in all, dealt over SK_CTAS CTAs
+            STREAM_K=p.stream_k, ITERS=int(np.prod(_units(shape, p))) * _kblocks(shape),
+            SK_CTAS=stream_ctas(shape, p) if p.stream_k else 0, PART_THREADS=128 if p.schedule == "pingpong" else 128 * p.consumers,
             SPLIT_BARRIER="3 + consumer" if p.schedule == "pingpong" else "3",
             SPLIT_FLAG_AT=p.stages * stage_bytes + c_stage + 16 * p.stages + (16 if p.schedule == "pingpong" else 0),
         )
@@ -660,8 +688,9 @@ class GemmSm90(OpFamily):
         return (Arg("C", "out", out), Arg("A", "in", element), Arg("B", "in", element), *scales, *addends)
 
     def launch_args(self, shape: Shape, p: Params) -> tuple[Arg, ...]:
-        """args, and under split K the workspace (scratch) and the tiles' counters (zero on entry, left zero)."""
-        if p.split_k == 1:
+        """args, and under split K or stream K the workspace (scratch) and the tiles' counters (zero on entry, left
+        zero)."""
+        if not reduces(p):
             return self.args(shape)
         return self.args(shape) + (Arg("workspace", "scratch", "float32", workspace_floats(shape, p)),
                                    Arg("counters", "zeroed", "uint32", counters(shape, p)))
@@ -774,7 +803,7 @@ class GemmSm90(OpFamily):
                            if shape.residual else {})},
             "aliasing": "C must not overlap A, B or any other input (no in-place use): every pointer is declared "
                         "__restrict__",
-            **(self._working(shape, p) if p.split_k > 1 else {}),
+            **(self._working(shape, p) if reduces(p) else {}),
             "scalars": {},
             "tensor_maps": {name: spec.to_dict() for name, spec in self.tensor_maps(shape, p).items()},
         }
@@ -794,9 +823,11 @@ class GemmSm90(OpFamily):
                                      "them zero again, so that the next needs no memset; not shared by two launches "
                                      "running at once"},
         }
+        pieces = f"{p.split_k} partials (slices of K) in slice order" if p.split_k > 1 else \
+            "partials (the pieces of K each CTA took) in CTA order"
         return {"working": working,
-                "determinism": f"each tile of C is the sum of its {p.split_k} partials (slices of K) in slice order, "
-                               "whichever finishes last: the same bits every launch"}
+                "determinism": f"each tile of C is the sum of its {pieces}, whichever finishes last: the same bits "
+                               "every launch"}
 
 
 OP = GemmSm90()
