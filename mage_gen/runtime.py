@@ -193,7 +193,10 @@ def gemm(c: int, a: int, b: int, m: int, n: int, k: int, stream: int = 0, *, dev
         pointers.update(scale_a=scale_a, scale_b=scale_b)
     elif scale_a or scale_b:
         raise LaunchError(f"gemm_sm90: scale_a and scale_b multiply an e4m3 product; a {precision} one takes none")
-    pointers.update({name: address for name, address in (("bias", bias), ("residual", residual)) if address})
+    if bias:
+        pointers["bias"] = bias
+    if residual:
+        pointers["residual"] = residual
     item, out = shape.element.itemsize, (4 if c_dtype == "fp32" else 2)
     c_bytes = m * shape.c_cols * out
     _check_disjoint(c, c_bytes, {"A": (a, _extent(m, k, shape.lda * item, item)),

@@ -409,7 +409,8 @@ def _linear_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         y = y if gate == "none" else _F.silu(y[..., :cols]) * y[..., cols:]
         return y if residual is None else y + residual
     y = torch.empty((*x.shape[:-1], cols), dtype=_bfloat16, device=x.device)  # bf16 whatever x is, as _scaled_mm's
-    _gemm(index, prepared, y, x, weight, "nk", scales, tuple(t for t in (bias, residual) if t is not None))
+    addends = () if bias is None and residual is None else tuple(t for t in (bias, residual) if t is not None)
+    _gemm(index, prepared, y, x, weight, "nk", scales, addends)
     return y
 
 
@@ -449,7 +450,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     bias is added before the gate). residual: a bf16 tensor of the result's shape added last, in the kernel (a
     layer's h + down(x)). An (N, K) with no entry of its own for the gate, bias or residual runs its plain entry's
     params."""
-    if (is_eager(x, weight) and all(t is None or type(t) is _Tensor for t in (bias, scale_x, scale_weight, residual))):
+    if (is_eager(x, weight) and (bias is None or type(bias) is _Tensor) and (residual is None or type(residual) is _Tensor)
+            and (scale_x is None or type(scale_x) is _Tensor) and (scale_weight is None or type(scale_weight) is _Tensor)):
         return _linear_impl(x, weight, bias, scale_x, scale_weight, cublas_where_faster, gate, residual)
     return _linear_op(x, weight, bias, scale_x, scale_weight, cublas_where_faster, gate, residual)
 
