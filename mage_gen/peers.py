@@ -424,10 +424,16 @@ def strided_bf16_gemm_peers(shape: Any, inputs: dict[str, np.ndarray], eps: floa
     """cuBLAS through torch (C = A·Bᵀ as F.linear computes it, or A·B for a K×N B: bf16 A and B, fp32 sums, C in C's
     type) and Triton's tl.dot over its Hopper tiles, each reading the same A and B (their padded rows) and writing
     C's type. e4m3: torch._scaled_mm (cuBLASLt) with the per-tensor scales, with and without fast accumulation. With
-    an epilogue (a bias, the gate, a residual): the product as above into a tensor of its own, then torch's ops in
-    the kernel's order, the last into C, as an unfused model computes it."""
+    an epilogue (a bias, the gate, a residual): cuBLAS's product into a tensor of its own, then the rest in one
+    pass (_epilogue_peers)."""
     if shape.gate != "none" or shape.bias or shape.residual:
-        return _epilogue_peers(shape, inputs, eps, inductor, tensor_of, output_of)
+        return _epilogue_peers(shape, tensor_of, output_of)
+    return _product_peers(shape, tensor_of, output_of, triton_too=True)
+
+
+def _product_peers(shape: Any, tensor_of: Callable[[str, DType], Any], output_of: _Outputs,
+                   triton_too: bool) -> dict[str, Any]:
+    """The plain product's peers: cuBLAS (torch._scaled_mm for e4m3) and, where triton_too, Triton's tiles."""
     if shape.precision != "bf16":
         return _scaled_mm_peers(shape, tensor_of, output_of)
     a_rows, b_rows = (tensor_of(name, BFLOAT16) for name in ("A", "B"))
@@ -450,7 +456,7 @@ def strided_bf16_gemm_peers(shape: Any, inputs: dict[str, np.ndarray], eps: floa
     candidates = {"cublas": [TorchSubject("cublas", cublas_run(output_of("C", (shape.m, shape.n), out_type)),
                                           {"fn": product if out_type == torch.bfloat16
                                                  else product.replace("matmul", "mm").replace(")", ", torch.float32)")})]}
-    if triton is not None:
+    if triton is not None and triton_too:
         def triton_run(c, bm, bn, bk, warps, stages):
             grid = (triton.cdiv(shape.m, bm) * triton.cdiv(shape.n, bn),)
 
@@ -470,14 +476,13 @@ def strided_bf16_gemm_peers(shape: Any, inputs: dict[str, np.ndarray], eps: floa
     return candidates
 
 
-def _epilogue_peers(shape: Any, inputs: dict[str, np.ndarray], eps: float, inductor: bool,
-                    tensor_of: Callable[[str, DType], Any], output_of: _Outputs) -> dict[str, Any]:
-    """cuBLAS's plain product (the peers of the same shape with no epilogue, each writing a product of its own,
-    rounded to C's type as torch's is), then the rest into C: + bias, C = silu(P[:, :N/2]) · P[:, N/2:], + residual,
-    in one Triton pass (as Inductor fuses that pointwise work), or where Triton is missing by torch's ops in turn."""
+def _epilogue_peers(shape: Any, tensor_of: Callable[[str, DType], Any], output_of: _Outputs) -> dict[str, Any]:
+    """cuBLAS's plain product (each candidate writing a product of its own, rounded to C's type as torch's is), then
+    the rest into C: + bias, C = silu(P[:, :N/2]) · P[:, N/2:], + residual, in one Triton pass (as Inductor fuses
+    that pointwise work), or where Triton is missing by torch's ops in turn."""
     plain = dataclasses.replace(shape, gate="none", bias=False, residual=False)
     own = _Outputs({})  # the product is not C: never the kernel's output memory
-    families = strided_bf16_gemm_peers(plain, inputs, eps, inductor, tensor_of, own)
+    families = _product_peers(plain, tensor_of, own, triton_too=False)
     out_type, out = (torch.bfloat16, BFLOAT16) if shape.c_dtype == "bf16" else (torch.float32, FLOAT32)
     c = output_of("C", (shape.m, shape.c_cols), out_type)
     half = shape.c_cols
