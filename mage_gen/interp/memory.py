@@ -106,14 +106,17 @@ class Global:
     def read16(self, addr, tids, describe: Describe, what: str) -> np.ndarray:
         """The uint16 at each lane's 2-byte-aligned address inside a buffer (a 2-byte load of an input: the
         visibility of stores is not checked, as write16 is not race-checked)."""
-        self._index(addr, 2, tids, describe, what)
-        return self.words.view(np.uint16)[((addr.astype(np.uint64) - np.uint64(GLOBAL_BASE)) >> np.uint64(1)).astype(np.int64)]
+        return self.words.view(np.uint16)[self._half_index(addr, tids, describe, what)]
 
     def write16(self, addr, values: np.ndarray, tids, describe: Describe, what: str) -> None:
         """2-byte stores of uint16 values at 2-byte-aligned addresses inside a buffer; not race-checked (ownership
         is kept per word, and two threads may own the two halves of one)."""
+        self.words.view(np.uint16)[self._half_index(addr, tids, describe, what)] = values
+
+    def _half_index(self, addr, tids, describe: Describe, what: str) -> np.ndarray:
+        """The index of each lane's 16-bit element, after the checks of a 2-byte access."""
         self._index(addr, 2, tids, describe, what)
-        self.words.view(np.uint16)[((addr.astype(np.uint64) - np.uint64(GLOBAL_BASE)) >> np.uint64(1)).astype(np.int64)] = values
+        return ((addr.astype(np.uint64) - np.uint64(GLOBAL_BASE)) >> np.uint64(1)).astype(np.int64)
 
     def write(self, addr, values: np.ndarray, tids, describe: Describe, what: str, owners=None) -> None:
         """Store; with owners (launch-wide thread ids), two threads storing to one word is a RaceError:
