@@ -342,7 +342,7 @@ def fuse_gated_linears(graph: torch.fx.Graph) -> None:
             gated.meta["val"] = mul.meta["val"]
             mul.replace_all_uses_with(gated)
             graph.erase_node(mul)
-            for node in [*chain, gate_half, up, *{n for h in (gate_half, up) for n in h.args[:1]}, linear]:
+            for node in [*chain, gate_half, up, gate_half.args[0], linear]:  # the last: the split, the product
                 if node.graph is graph and not node.users:
                     graph.erase_node(node)
             break
