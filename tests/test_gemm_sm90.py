@@ -527,7 +527,7 @@ def test_a_kernel_that_left_out_an_addend_would_fail_the_gate(precision, addend)
     assert error > 10 * OP.tolerance_of(shape, "C", BFLOAT16)
 
 
-def test_an_epilogue_names_its_kernel_and_key_and_is_served_by_the_plain_entry():
+def test_an_epilogue_names_its_kernel_and_key_and_is_one_of_the_ops_epilogue_fields():
     shape = OP.shape(m=256, n=2048, k=512, bias=True, residual=True)
     assert OP.shape_key(shape) == "m=256,n=2048,k=512,bias,residual/bf16/nk/bf16"
     assert "_bias_residual_m256" in OP.kernel_name(shape, OP.params_from_dict({}))

@@ -276,6 +276,18 @@ def on_h200() -> None:
         pytest.skip("the gemm_sm90 winners stored are the H200's")
 
 
+def prepared_kernel(shape, params):
+    """runtime.Prepared of these params at this shape, built for this GPU: a config run as the runtime runs a
+    winner, whatever tuned/ holds."""
+    from mage_gen import gpu, runtime
+    from mage_gen.variants import build
+
+    variant = build(GEMM, shape, params, gpu.device_info(0).arch)
+    kernel = gpu.Kernel(variant.compiled.cubin, variant.source.kernel_name,
+                        GEMM.geometry(shape, params, {}).dynamic_shared_bytes)
+    return runtime.Prepared(GEMM, shape, params, {}, kernel, variant.census)
+
+
 def bf16_inputs(lead: tuple[int, ...], n: int, k: int, seed: int):
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(*lead, k, device="cuda", generator=g).to(torch.bfloat16)
@@ -286,7 +298,7 @@ def bf16_inputs(lead: tuple[int, ...], n: int, k: int, seed: int):
 def linear_tolerance(m: int, n: int, k: int, bias: bool) -> float:
     from mage_gen.dtypes import BFLOAT16
 
-    # with a bias, the sum rounds to bf16 once more: another unit roundoff
+    # a unit roundoff of margin where a bias is added
     return GEMM.tolerance_of(GEMM.shape(m=m, n=n, k=k), "C", BFLOAT16) + (2 ** -8 if bias else 0)
 
 
@@ -400,17 +412,12 @@ def test_an_untuned_n_k_and_a_misaligned_x_are_refused_in_one_line():
 def test_a_split_k_kernel_from_the_runtime_computes_on_two_streams_and_in_a_graph():
     """The runtime's working buffers: a workspace and counters per stream (cleared on its first launch, left zero by
     each), and a graph's own, cleared by the memset it records."""
-    from mage_gen import gpu, runtime
-    from mage_gen.variants import build
 
     on_h200()
     m, n, k = 40, 4096, 4096
     shape = GEMM.shape(m=m, n=n, k=k)
     params = GEMM.params_from_dict({"bm": 64, "bn": 128, "consumers": 1, "stages": 8, "split_k": 4, "grid": 132})
-    variant = build(GEMM, shape, params, gpu.device_info(0).arch)
-    kernel = gpu.Kernel(variant.compiled.cubin, variant.source.kernel_name,
-                        GEMM.geometry(shape, params, {}).dynamic_shared_bytes)
-    prepared = runtime.Prepared(GEMM, shape, params, {}, kernel, variant.census)
+    prepared = prepared_kernel(shape, params)
     x, weight, _ = bf16_inputs((m,), n, k, 51)
     ref = torch.nn.functional.linear(x.double(), weight.double())
     tolerance = linear_tolerance(m, n, k, False)
@@ -541,9 +548,7 @@ def test_a_gated_linear_matches_float64_in_a_graph_and_under_compile():
 def test_an_e4m3_kernel_from_the_runtime_matches_float64_and_torch_scaled_mm():
     """fp8 with per-tensor scales through runtime.Prepared (no e4m3 class is tuned yet): against the dequantized
     product in float64 within the op's tolerance, and against torch._scaled_mm."""
-    from mage_gen import gpu, runtime
     from mage_gen.dtypes import BFLOAT16
-    from mage_gen.variants import build
 
     on_h200()
     m, n, k = 100, 4096, 4096
@@ -552,10 +557,7 @@ def test_an_e4m3_kernel_from_the_runtime_matches_float64_and_torch_scaled_mm():
                    {"bm": 64, "bn": 128, "consumers": 1, "stages": 8, "split_k": 2, "grid": 132},
                    {"bm": 128, "bn": 32, "consumers": 2, "schedule": "pingpong", "swap": True, "grid": 132}):
         params = GEMM.params_from_dict(values)
-        variant = build(GEMM, shape, params, gpu.device_info(0).arch)
-        kernel = gpu.Kernel(variant.compiled.cubin, variant.source.kernel_name,
-                            GEMM.geometry(shape, params, {}).dynamic_shared_bytes)
-        prepared = runtime.Prepared(GEMM, shape, params, {}, kernel, variant.census)
+        prepared = prepared_kernel(shape, params)
         g = torch.Generator(device="cuda").manual_seed(61)
         x = (8 * torch.randn(m, k, device="cuda", generator=g)).to(torch.float8_e4m3fn)
         w = (8 * torch.randn(n, k, device="cuda", generator=g)).to(torch.float8_e4m3fn)
@@ -574,18 +576,13 @@ def test_an_e4m3_kernel_from_the_runtime_matches_float64_and_torch_scaled_mm():
 def test_an_e4m3_block_scaled_kernel_from_the_runtime_matches_float64():
     """DeepGEMM's scales (A per row and 128 of K, B per 128×128 block) through runtime.Prepared, against the
     dequantized product in float64 within the op's tolerance."""
-    from mage_gen import gpu, runtime
     from mage_gen.dtypes import BFLOAT16
-    from mage_gen.variants import build
 
     on_h200()
     m, n, k = 200, 1024, 4096
     shape = GEMM.shape(m=m, n=n, k=k, precision="e4m3_block")
     params = GEMM.params_from_dict({"bm": 64, "bn": 128, "consumers": 1, "stages": 6, "inflight": 0, "grid": 132})
-    variant = build(GEMM, shape, params, gpu.device_info(0).arch)
-    kernel = gpu.Kernel(variant.compiled.cubin, variant.source.kernel_name,
-                        GEMM.geometry(shape, params, {}).dynamic_shared_bytes)
-    prepared = runtime.Prepared(GEMM, shape, params, {}, kernel, variant.census)
+    prepared = prepared_kernel(shape, params)
     g = torch.Generator(device="cuda").manual_seed(71)
     x = (8 * torch.randn(m, k, device="cuda", generator=g)).to(torch.float8_e4m3fn)
     w = (8 * torch.randn(n, k, device="cuda", generator=g)).to(torch.float8_e4m3fn)
