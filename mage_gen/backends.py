@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -20,6 +20,12 @@ FINAL_ROUNDS = 4
 FINAL_PER_ROUND = 8
 
 
+Progress = Callable[[int, int], None]
+# the final round's steps: the finalists gated, the peers built and gated at each placement, the hot rounds, the
+# cold rounds
+FINAL_STEPS = 1 + FINAL_PLACEMENTS + 2
+
+
 class Backend(Protocol):
     device: dict[str, Any]  # name, cc, sms, l2_bytes, driver
     arch: str
@@ -28,10 +34,11 @@ class Backend(Protocol):
 
     def close(self) -> None: ...
 
-    def final(self, variants: Sequence[Any]
+    def final(self, variants: Sequence[Any], progress: Progress | None = None
               ) -> tuple[dict[str, dict[str, Timing]], dict[str, dict[str, Any]], dict[str, str]]:
-        """Re-gate the finalists and time them interleaved with the peers, hot and cold.
-        Returns ({kernel or peer name: {'hot': Timing, 'cold': Timing}}, {peer: config}, {name: why dropped})."""
+        """Re-gate the finalists and time them interleaved with the peers, hot and cold; progress(done, total) is
+        told of each step. Returns ({kernel or peer name: {'hot': Timing, 'cold': Timing}}, {peer: config},
+        {name: why dropped})."""
         ...
 
 
@@ -48,9 +55,10 @@ class GpuBackend:
     def close(self) -> None:
         pass  # the context is the process's; it goes with it
 
-    def final(self, variants):
+    def final(self, variants, progress=None):
         from mage_gen.peers import make_peers  # torch and Triton: imported where peers are timed, not before
 
+        step = _stepper(progress)
         placed: list[list[Any]] = []
         loaded, kernels, opened, dropped = [], [], [], {}
         try:
@@ -66,6 +74,7 @@ class GpuBackend:
                     loaded.append((v, kernel, [subject]))
                 else:
                     dropped[v.source.kernel_name] = result.reason
+            step()
             if not loaded:  # nothing left to compare the peers with
                 return {}, {}, dropped
             inputs = self.bench.timing_inputs()  # the finalists' own, judged against the reference on the GPU
@@ -92,9 +101,12 @@ class GpuBackend:
                 for peer in peers:
                     peer_configs.setdefault(peer.name, []).append(peer.config)
                 placed.append([*group, *peers])
+                step()
             placed, _ = common_to_every_placement(placed)
             hot, _ = interleave_placed(placed, "hot", FINAL_ROUNDS, FINAL_PER_ROUND)
+            step()
             cold, _ = interleave_placed(placed, "cold", FINAL_ROUNDS, FINAL_PER_ROUND)
+            step()
             changed = self.bench.inputs_changed()
             if changed:
                 raise MageError(f"tune: after the final round the shared inputs {', '.join(changed)} no longer hold "
@@ -111,6 +123,20 @@ class GpuBackend:
             for k in kernels:
                 k.unload()
             self.bench.free_placements()
+
+
+def _stepper(progress: Progress | None) -> Callable[[], None]:
+    """A step counter of the final round: tells progress of 0 at once, then of each step as it ends."""
+    done = 0
+
+    def step() -> None:
+        nonlocal done
+        done += 1
+        if progress:
+            progress(done, FINAL_STEPS)
+    if progress:
+        progress(0, FINAL_STEPS)
+    return step
 
 
 class ReplayBackend:
@@ -154,7 +180,10 @@ class ReplayBackend:
                           Timing.from_dict(r["hot"]) if r["hot"] else None,
                           Timing.from_dict(r["cold"]) if r["cold"] else None)
 
-    def final(self, variants):
+    def final(self, variants, progress=None):
+        if progress:  # a recording answers every step at once
+            progress(0, FINAL_STEPS)
+            progress(FINAL_STEPS, FINAL_STEPS)
         timings, dropped = {}, {}
         for v in variants:
             r = self._record(v)

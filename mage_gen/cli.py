@@ -39,6 +39,7 @@ from mage_gen.variants import Variant, build, build_each, check_op_arch
 # imported inside it: every other command starts without them.
 EXHAUSTIVE_LIMIT, DEFAULT_TPE_TRIALS = 64, 96  # mage_gen.tune's; a test holds the two in step
 MANY_VARIANTS = 2000  # a compile of more says how long it may take before it starts
+SEEDS = 3  # winners of the nearest tuned shapes that a size class with none of its own is searched from first
 
 # Plain help: the rich help tags every flag with a type (--json <bool>), as if it took a value.
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -800,6 +801,27 @@ def _gpu_facts() -> dict[str, Any]:
     return gpu.open_device().to_dict()
 
 
+def _starting_points(op: Op, shape: Any, run: dict[str, int], space: Any, gpu_name: str, tuned: Path | None,
+                     store: bool) -> tuple[Any, list[str], list[tuple[Any, Any]], list[str]]:
+    """What a size class's search measures first: (its stored winner, the axes that winner predates, or where it
+    has none the nearest tuned shapes and their winners (dispatch.SEED_RULE), and the lines that say so)."""
+    if not store:
+        return None, [], [], []
+    incumbent = stored_params(op, shape, run, gpu_name, tuned)
+    if incumbent is None:
+        seeds = dispatch.neighbours(op, shape, tuned_shapes(op, gpu_name, tuned), SEEDS)
+        return None, [], seeds, ["  measured first where the preset holds them, the winners of the nearest tuned "
+                                 "shapes: " + "; ".join(str(shape_dict(other)) for other, _ in seeds)] if seeds else []
+    notes = [f"  the stored winner {op.kernel_name(shape, incumbent)} is measured first where the preset holds it, "
+             "and re-timed in the final round"]
+    named = stored_axes(op, shape, run, gpu_name, tuned)
+    unrecorded = [axis for axis, values in space.axes if axis not in named and len(values) > 1]
+    if unrecorded:
+        notes.append(f"  it was tuned before {', '.join(unrecorded)} existed: it is also measured first at each "
+                     f"value of {'it' if len(unrecorded) == 1 else 'them'}")
+    return incumbent, unrecorded, [], notes
+
+
 def _tune_size_class(op: Op, shape: Any, run: dict[str, int], space: Any, replayed: Any, seed: int,
                      tuned: Path | None, store: bool, gpus: list[int] | None, **search: Any) -> None:
     """One study at one run size, its winner stored in tuned/ under its size class."""
@@ -813,16 +835,7 @@ def _tune_size_class(op: Op, shape: Any, run: dict[str, int], space: Any, replay
     # On the GPU every trial runs in a worker process: a variant that crashes or hangs fails alone.
     backend = replayed or IsolatedBackend(partial(gpu_backend, op.name, shape, run, seed))
     storage = fleet.open_storage(search["storage"], len(gpus or [0])) if search["storage"] else None
-    incumbent = stored_params(op, shape, run, backend.device["name"], tuned) if store else None
-    unrecorded: list[str] = []
-    if incumbent is not None:
-        _log(f"  the stored winner {op.kernel_name(shape, incumbent)} is measured first where the preset holds it, "
-             "and re-timed in the final round")
-        named = stored_axes(op, shape, run, backend.device["name"], tuned)
-        unrecorded = [axis for axis, values in space.axes if axis not in named and len(values) > 1]
-        if unrecorded:
-            _log(f"  it was tuned before {', '.join(unrecorded)} existed: it is also measured first at each value "
-                 f"of {'it' if len(unrecorded) == 1 else 'them'}")
+    incumbent, unrecorded, seeds, notes = _starting_points(op, shape, run, space, backend.device["name"], tuned, store)
     started: list[Any] = []
 
     def helpers(study: Any) -> Any:
@@ -836,6 +849,9 @@ def _tune_size_class(op: Op, shape: Any, run: dict[str, int], space: Any, replay
         began = {"compiling": time.monotonic()}  # when each stage was first reported
 
         def report(stage: str, done: int, total: int) -> None:
+            for note in notes:  # once the study is open: a study that cannot be has only its one-line error
+                _log(note)
+            notes.clear()
             began.setdefault(stage, time.monotonic())
             progress.update(trial_task, description=stages[stage], completed=done, total=total)
             if not err.is_terminal and _a_tenth_more(done, total):  # a log or a pipe: a line at every tenth
@@ -846,7 +862,7 @@ def _tune_size_class(op: Op, shape: Any, run: dict[str, int], space: Any, replay
                                  study_name=search["study"], objective=search["objective"],
                                  trials=search["trials"], storage=storage,
                                  helpers=helpers if gpus and len(gpus) > 1 else None, incumbent=incumbent,
-                                 unrecorded=unrecorded)
+                                 unrecorded=unrecorded, seeds=[params for _, params in seeds])
         finally:
             backend.close()
     for workers in started:

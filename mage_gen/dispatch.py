@@ -29,6 +29,10 @@ CLASS_RULE = ("of the entries equal to the launch's shape in every field but the
 PEER_RULE = ("mage_gen.torch.linear asked with cublas_where_faster=True (as a patched model's nn.Linear asks) calls "
              "F.linear (cuBLAS) instead of the kernel for a bf16 product whose serving entry was timed slower than "
              "cuBLAS in its tune's final round, by the tune's objective (hot, cold, or the geometric mean of both)")
+SEED_RULE = ("a size class with no stored winner of its own is searched from the winners of the tuned shapes nearest "
+             "to it on a log scale over every size, whatever their types and epilogue (at one distance, those that "
+             "differ from it in the fewest of those fields first), each whose params are valid for it: they are "
+             "measured first, where the preset holds them")
 # --m auto: the L2-resident size fills at most this share of the L2, the DRAM-bound one at least this many L2s,
 # so that neither sits near the boundary where hot and cold timings blur.
 AUTO_L2_SHARE = 0.5
@@ -125,6 +129,23 @@ def choose_class(op: Op, shape: Any, tuned: dict[Any, Any]) -> tuple[Any, Any] |
     return None
 
 
+def neighbours(op: Op, shape: Any, tuned: dict[Any, Any], count: int) -> list[tuple[Any, Any]]:
+    """Up to `count` (tuned shape, its params) by SEED_RULE, nearest first, no params twice."""
+    mine = vars(shape)
+    sizes = _sizes(mine)
+
+    def rank(other: Any) -> tuple:
+        theirs = vars(other)
+        return (_distance(sizes, _sizes(theirs)), sum(theirs[k] != v for k, v in mine.items() if k not in sizes),
+                sorted(shape_dict(other).items()))
+
+    picked: list[tuple[Any, Any]] = []
+    for other, params in _ranked(op, shape, tuned, lambda other: True, rank):
+        if len(picked) < count and params not in (p for _, p in picked):
+            picked.append((other, params))
+    return picked
+
+
 def nearest_shape(op: Op, shape: Any, tuned: dict[Any, Any]) -> tuple[Any, Any] | None:
     """(tuned shape, its params) nearest to `shape` on a log scale among those whose params are valid for
     `shape`, or None. `tuned` maps each tuned shape to its params."""
@@ -141,6 +162,12 @@ def nearest_shape(op: Op, shape: Any, tuned: dict[Any, Any]) -> tuple[Any, Any] 
 def _nearest(op: Op, shape: Any, tuned: dict[Any, Any], comparable: Any, rank: Any) -> tuple[Any, Any] | None:
     """(tuned shape, its params) of the least rank among the tuned shapes comparable to `shape` whose params are
     valid for it, or None."""
+    return next(iter(_ranked(op, shape, tuned, comparable, rank)), None)
+
+
+def _ranked(op: Op, shape: Any, tuned: dict[Any, Any], comparable: Any, rank: Any) -> list[tuple[Any, Any]]:
+    """(tuned shape, its params) of the tuned shapes comparable to `shape` whose params are valid for it, least
+    rank first."""
     usable = []
     for other, params in tuned.items():
         if not comparable(other):
@@ -150,7 +177,4 @@ def _nearest(op: Op, shape: Any, tuned: dict[Any, Any], comparable: Any, rank: A
         except ConfigError:
             continue
         usable.append((rank(other), other, params))
-    if not usable:
-        return None
-    _, other, params = min(usable, key=lambda u: u[0])
-    return other, params
+    return [(other, params) for _, other, params in sorted(usable, key=lambda u: u[0])]

@@ -208,7 +208,7 @@ def tune(op: Op, shape: Any, run: dict[str, int], space: Space, backend: Backend
          trials: int | None = None, storage: Any = None, study_name: str | None = None, seed: int = 0,
          progress: Callable[[str, int, int], None] | None = None,
          helpers: Callable[[optuna.Study], Any] | None = None, incumbent: Any = None,
-         unrecorded: Sequence[str] = ()) -> TuneResult:
+         unrecorded: Sequence[str] = (), seeds: Sequence[Any] = ()) -> TuneResult:
     """Search, then re-time the finalists beside the peers. storage: a URL or an Optuna storage. helpers: called
     with the opened study, it starts other workers on it (fleet.py) and returns a handle whose wait() is called
     before the final round; their trials count towards the same budget. incumbent: the params of the size
@@ -216,8 +216,9 @@ def tune(op: Op, shape: Any, run: dict[str, int], space: Space, backend: Backend
     first, so that a search over another preset always has the stored winner among its candidates; in the space or
     not, it is re-timed in the final round. unrecorded: axes
     the stored winner's entry does not name (it was tuned before they existed): the incumbent at each of their other
-    values in the space is measured first too, the one new lever tried on the config that won without it. Then
-    the space's `first` configs (the peers' shapes) that lie in it, each re-timed in the final round too."""
+    values in the space is measured first too, the one new lever tried on the config that won without it. seeds:
+    params that won at other shapes (dispatch.SEED_RULE), measured next where the space holds them. Then the
+    space's `first` configs (the peers' shapes) that lie in it, each re-timed in the final round too."""
     if objective not in OBJECTIVES:
         raise ConfigError(f"objective: must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
     counted = tally(op, shape, space, backend.arch)
@@ -237,12 +238,9 @@ def tune(op: Op, shape: Any, run: dict[str, int], space: Space, backend: Backend
     study.set_user_attr("budget", budget)  # what a worker joining the study measures towards
     keys = _keys(op, valid)
     from_earlier_runs = len(_finished(study, op, shape, keys))
-    if incumbent is not None and from_earlier_runs < budget:
-        for params in _beside(incumbent, space, unrecorded):
-            _start_with(study, op, shape, keys, params)
     first = _first(op, shape, space)
     if from_earlier_runs < budget:
-        for params in first:
+        for params in [*(_beside(incumbent, space, unrecorded) if incumbent is not None else ()), *seeds, *first]:
             _start_with(study, op, shape, keys, params)
     # Compile in parallel, up front, what the search will measure (all of it when exhaustive; every unmeasured
     # config where TPE will try most of them); each trial then finds its variant in the cache.
@@ -504,9 +502,8 @@ def _finish(op, shape, study, done, valid, rejected, backend, objective, measure
     if (incumbent is not None and params_key(op, incumbent) not in chosen
             and rejection(op, shape, incumbent, backend.arch) is None):
         finalists.append(build(op, shape, incumbent, backend.arch))
-    if progress:
-        progress("final", 0, len(finalists))
-    timings, peer_configs, dropped = backend.final(finalists)
+    timings, peer_configs, dropped = backend.final(
+        finalists, progress=(lambda done, total: progress("final", done, total)) if progress else None)
     ranked = [
         Finalist(name=v.source.kernel_name, params=v.params, registers=v.census.registers,
                  threads=op.geometry(shape, v.params, {k: 1 for k in op.run_dims}).threads,

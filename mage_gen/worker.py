@@ -39,8 +39,10 @@ def _serve(factory: Callable[[], Any], conn: Any) -> None:
             method, args = conn.recv()
         except EOFError:
             return
+        # the final round's steps are told as they end, so that the parent's wait is for one step at a time
+        told = {"progress": lambda done, total: conn.send(("progress", (done, total)))} if method == "final" else {}
         try:
-            conn.send(("ok", getattr(backend, method)(*args)))
+            conn.send(("ok", getattr(backend, method)(*args, **told)))
         except GpuError as exc:
             # The context may be unusable after this: answer, then let the parent start a new child.
             conn.send(("gpu_error", str(exc)))
@@ -109,13 +111,19 @@ class IsolatedBackend:
             return self._first_timeout_s
         return max(self._min_timeout_s, TIMEOUT_FACTOR * statistics.median(self._durations))
 
-    def _call(self, method: str, args: tuple, timeout_s: float) -> tuple[str, Any]:
-        """('ok', result) or (failure kind, reason); after a failure the child is a new one."""
+    def _call(self, method: str, args: tuple, timeout_s: float,
+              progress: Callable[[int, int], None] | None = None) -> tuple[str, Any]:
+        """('ok', result) or (failure kind, reason); after a failure the child is a new one. The child's progress
+        messages go to `progress`, each starting the timeout again."""
         started = time.monotonic()
         try:
             self._conn.send((method, args))
-            answered = self._conn.poll(timeout_s)
-            kind, payload = self._conn.recv() if answered else ("timeout", None)
+            kind = "progress"
+            while kind == "progress":
+                answered = self._conn.poll(timeout_s)
+                kind, payload = self._conn.recv() if answered else ("timeout", None)
+                if kind == "progress" and progress:
+                    progress(*payload)
         except (EOFError, BrokenPipeError, ConnectionResetError):
             kind, payload = "died", None
         if kind == "ok":
@@ -139,16 +147,16 @@ class IsolatedBackend:
         restarted = "" if kind == "error" else "; the worker was restarted"
         return Evaluation(GateResult(False, f"worker: {payload}{restarted}", float("inf")))
 
-    def final(self, variants: Sequence[Any]):
-        # Peers compile and every finalist is re-gated here: give it the first-call allowance, at least.
+    def final(self, variants: Sequence[Any], progress: Callable[[int, int], None] | None = None):
+        # Peers compile and every finalist is re-gated here: give each step the first-call allowance, at least.
         timeout = max(self._first_timeout_s, 20 * self.timeout_s())
-        kind, payload = self._call("final", (list(variants),), timeout)
+        kind, payload = self._call("final", (list(variants),), timeout, progress)
         if kind == "error":
             # The final round is the first to import torch and Triton in this process; torch 2.11 was seen to
             # fail that import now and then (a custom op of its own refused at registration). A fresh process
             # has always imported it: the round is tried once more there, the trials being safe in the study.
             self._restart()
-            kind, payload = self._call("final", (list(variants),), timeout)
+            kind, payload = self._call("final", (list(variants),), timeout, progress)
         if kind != "ok":
             raise MageError(f"worker: the final round failed: {payload}")
         return payload

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from mage_gen.backends import FINAL_STEPS
+
 
 def mage_gen(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "mage_gen", *args], capture_output=True, text=True, timeout=300)
@@ -173,7 +175,8 @@ def test_a_tune_into_a_log_says_how_far_it_got_at_every_tenth(tmp_path):
     assert done.returncode == 0, done.stderr
     measuring = [line.split()[1] for line in done.stderr.splitlines() if line.strip().startswith("measuring ")]
     assert measuring == [f"{n}/20" for n in range(2, 21, 2)]  # one line a tenth, the last at the budget
-    assert any(line.strip().startswith("re-timing finalists 0/") for line in done.stderr.splitlines())
+    final = [line.split()[2] for line in done.stderr.splitlines() if line.strip().startswith("re-timing finalists ")]
+    assert final == [f"0/{FINAL_STEPS}", f"{FINAL_STEPS}/{FINAL_STEPS}"]
 
 
 def test_a_tune_emits_its_shape_where_another_size_class_is_stale(tmp_path, synthetic_entry):

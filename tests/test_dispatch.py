@@ -182,6 +182,27 @@ def test_an_op_without_class_dims_borrows_nothing_at_launch():
     assert dispatch.choose_class(MM, MM.shape(m=1000, n=1024, k=1024), {MM.shape(m=1024, n=1024, k=1024): default}) is None
 
 
+def test_a_new_class_is_searched_from_the_winners_of_the_nearest_tuned_shapes_each_once():
+    def entry(stages, m, n=4096, k=4096, **options):
+        return GEMM.shape(m=m, n=n, k=k, **options), GEMM.params_from_dict({"bm": 64, "consumers": 1, "stages": stages})
+    tuned = dict([entry(2, 16), entry(3, 128), entry(4, 128, n=6144), entry(5, 2048, n=6144),
+                  entry(6, 128, n=28672, c_dtype="fp32", precision="e4m3"), entry(8, 128, n=28672, gate="silu"),
+                  entry(4, 16, n=14336)])
+    seeds = dispatch.neighbours(GEMM, GEMM.shape(m=128, n=28672, k=4096), tuned, 4)
+    # at its own sizes, the gated entry (one field apart) before the fp8 one with an fp32 C (two); then by distance;
+    # equal params count once (16×14336's are 128×6144's)
+    assert [vars(other) for other, _ in seeds] == [vars(GEMM.shape(**shape)) for shape in (
+        dict(m=128, n=28672, k=4096, gate="silu"), dict(m=128, n=28672, k=4096, c_dtype="fp32", precision="e4m3"),
+        dict(m=128, n=6144, k=4096), dict(m=128, n=4096, k=4096))]
+    assert [params for _, params in seeds] == [tuned[other] for other, _ in seeds]
+    assert len(dispatch.neighbours(GEMM, GEMM.shape(m=128, n=28672, k=4096), tuned, 2)) == 2
+    # params invalid at the shape are passed over
+    tuned[GEMM.shape(m=32, n=4096, k=4096, residual=True)] = GEMM.params_from_dict(
+        {"bm": 64, "cluster": 2, "multicast": "a"})  # a cluster of rows needs two tile rows
+    seeds = dispatch.neighbours(GEMM, GEMM.shape(m=32, n=4096, k=4096), tuned, 2)
+    assert [(other.m, other.n) for other, _ in seeds] == [(16, 4096), (128, 4096)]
+
+
 def _tuned(objective: str, ours: tuple[float, float], cublas: tuple[float, float]) -> dict:
     """An entry's timings as a tune stores them: (hot, cold) medians of its winner and of cuBLAS."""
     def timings(hot, cold):

@@ -185,8 +185,11 @@ def test_a_finalist_that_fails_its_check_at_one_placement_is_dropped_and_the_oth
     backend = object.__new__(backends.GpuBackend)
     backend.op, backend.shape, backend.run = None, None, {"m": 1}
     backend.bench = _Bench({"b": 1})
-    timings, _, dropped = backend.final([_Variant("a"), _Variant("b"), _Variant("c")])
+    told = []
+    timings, _, dropped = backend.final([_Variant("a"), _Variant("b"), _Variant("c")],
+                                        progress=lambda done, total: told.append((done, total)))
     assert set(timings) == {"a", "c"} and dropped["b"] == "placement 1: y has 3 NaN"
+    assert told == [(done, backends.FINAL_STEPS) for done in range(backends.FINAL_STEPS + 1)]
     per = backends.FINAL_ROUNDS * backends.FINAL_PER_ROUND
     assert timings["a"]["hot"].samples == timings["a"]["cold"].samples == per
     assert {p for name, p, _ in backend.bench.calls if name == "a"} == set(range(backends.FINAL_PLACEMENTS))

@@ -128,9 +128,9 @@ class Recorder(ReplayBackend):
         super().__init__(path)
         self.finalists: list[str] = []
 
-    def final(self, variants):
+    def final(self, variants, progress=None):
         self.finalists = [v.source.kernel_name for v in variants]
-        return super().final(variants)
+        return super().final(variants, progress)
 
 
 def sqlite(folder: Path) -> str:
@@ -346,6 +346,20 @@ def test_the_stored_winner_is_measured_first_where_the_search_would_not_reach_it
     assert backend.evaluated[0] == name
     assert len(backend.evaluated) == len(set(backend.evaluated)) == 6  # within the budget, never twice
     assert name in backend.finalists
+
+
+def test_the_winners_of_nearby_shapes_are_measured_after_the_stored_winner_where_the_space_holds_them(
+        recording_path, recording, recorded, tmp_path):
+    stored, *seeds = unreached_by_a_plain_search(recording_path, recording, recorded, tmp_path)[:3]
+    valid, _ = expand(OP, SHAPE, recorded)
+    outside = next(p for p in expand(OP, SHAPE, QUICK)[0] if p not in valid)
+    backend = Recorder(recording_path)
+    (tmp_path / "seeds").mkdir()
+    run_tune(backend, recorded, tmp_path / "seeds", study_name="seeds", trials=6, incumbent=stored,
+             seeds=[outside, *seeds, stored])
+    assert backend.evaluated[:3] == kernels([stored, *seeds])
+    assert OP.kernel_name(SHAPE, outside) not in backend.evaluated
+    assert len(backend.evaluated) == len(set(backend.evaluated)) == 6
 
 
 def test_a_sqlite_study_is_journaled_ahead_once_it_is_known_to_be_ours(recording_path, small, tmp_path):
@@ -804,19 +818,42 @@ def test_cli_tune_from_a_recording_stores_and_emits_the_winner(recording_path, r
     assert (tmp_path / "e" / cubin).read_bytes() == (tmp_path / "k" / cubin).read_bytes()
 
 
-def test_cli_retune_measures_the_stored_winner_first(recording_path, tmp_path):
+def first_cli_tune(recording_path, tmp_path) -> tuple[dict, list[str]]:
+    """A replayed tune of d = 768 into an empty tuned/ folder; (its environment, the command's common part)."""
     env = {**os.environ, "MAGE_GEN_TUNED": str(tmp_path / "tuned")}
     common = ["tune", "layernorm", "--d", "768", "--replay", str(recording_path), "--trials", "5",
               "--storage", sqlite(tmp_path), "--out", str(tmp_path / "k"), "--tuned", str(tmp_path / "tuned")]
     first = mage_gen(*common, "--seed", "3", "--study", "first", env=env, cwd=tmp_path)
     assert first.returncode == 0, first.stderr
+    # nothing was stored before
+    assert "stored winner" not in first.stderr and "nearest tuned shapes" not in first.stderr
+    return env, common
+
+
+def test_cli_retune_measures_the_stored_winner_first(recording_path, tmp_path):
+    env, common = first_cli_tune(recording_path, tmp_path)
     stored = json.loads((tmp_path / "tuned" / "h200" / "layernorm.json").read_text())["entries"]["d=768/float32/m=4096"]
-    assert "stored winner" not in first.stderr  # nothing was stored before
     second = mage_gen(*common, "--seed", "4", "--study", "second", env=env, cwd=tmp_path)
     assert second.returncode == 0, second.stderr
     assert f"the stored winner {stored['kernel']} is measured first" in second.stderr
     study = optuna.load_study(study_name="second", storage=sqlite(tmp_path))
     assert study.trials[0].user_attrs["kernel"] == stored["kernel"]
+
+
+def test_cli_tune_of_an_untuned_shape_measures_the_nearest_tuned_shape_s_winner_first(recording_path, tmp_path):
+    env, common = first_cli_tune(recording_path, tmp_path)
+    # the winner moved to d = 1024: d = 768 is untuned again, with a neighbour whose params it can take
+    path = tmp_path / "tuned" / "h200" / "layernorm.json"
+    doc = json.loads(path.read_text())
+    entry = doc["entries"].pop("d=768/float32/m=4096")
+    doc["entries"]["d=1024/float32/m=4096"] = {**entry, "shape": {**entry["shape"], "d": 1024}}
+    path.write_text(json.dumps(doc))
+    second = mage_gen(*common, "--seed", "4", "--study", "second", env=env, cwd=tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert "stored winner" not in second.stderr
+    assert "the winners of the nearest tuned shapes: {'d': 1024}" in " ".join(second.stderr.split())
+    study = optuna.load_study(study_name="second", storage=sqlite(tmp_path))
+    assert study.trials[0].user_attrs["kernel"] == entry["kernel"]  # d = 1024's params, built at d = 768
 
 
 def test_a_replay_writes_no_tuned_entry_study_or_kernel_unless_given_paths(recording_path, tmp_path):

@@ -45,7 +45,9 @@ class StandIn:
         t = Timing.from_samples("hot", [1.0, 1.1])
         return Evaluation(GateResult(True, "", 1e-7), t, t)
 
-    def final(self, jobs):
+    def final(self, jobs, progress=None):
+        for done in range(len(jobs) + 1):
+            progress(done, len(jobs))
         return {}, {}, {}
 
 
@@ -93,6 +95,13 @@ def test_an_ordinary_exception_fails_the_trial_and_keeps_the_worker(worker):
     result = worker.evaluate(Job("error"))
     assert not result.gate.passed and "a bug in the backend" in result.gate.reason
     assert worker.restarts == 0 and child_pid(worker) == before
+
+
+def test_the_final_round_s_steps_reach_the_parent_as_they_end(worker):
+    told = []
+    assert worker.final([Job("ok")] * 3, progress=lambda done, total: told.append((done, total))) == ({}, {}, {})
+    assert told == [(0, 3), (1, 3), (2, 3), (3, 3)]
+    assert worker.final([Job("ok")]) == ({}, {}, {})  # told to nobody
 
 
 def test_the_timeout_follows_the_trials_so_far(worker):
