@@ -18,6 +18,9 @@ METRICS = [
     "sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active", "smsp__inst_executed.sum",
     "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum",
     "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ldgsts.sum", "smsp__sass_inst_executed_op_shared_ld.sum",
+    # how much of the launch the SMs were busy (a short kernel's fill and tail), and what its bytes came from
+    "sm__cycles_active.avg", "gpc__cycles_elapsed.max", "sm__throughput.avg.pct_of_peak_sustained_elapsed",
+    "lts__throughput.avg.pct_of_peak_sustained_elapsed", "dram__bytes_read.sum",
 ]
 STALL_PREFIX, STALL_SUFFIX = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
 STALLS_SHOWN = 8
@@ -25,7 +28,11 @@ STALLS_SHOWN = 8
 
 def summarize(path: Path) -> str:
     # ncu --page raw --csv: a row of metric names, a row of units, then one row per profiled kernel.
-    names, units, values = list(csv.reader(path.open()))[:3]
+    names, units, *kernels = list(csv.reader(path.open()))
+    return "\n".join(_kernel(path, names, units, values) for values in kernels)
+
+
+def _kernel(path: Path, names: list[str], units: list[str], values: list[str]) -> str:
     value, unit = dict(zip(names, values)), dict(zip(names, units))
     lines = [f"== {path.name} {value.get('Kernel Name', '')[:90]}"]
     lines += [f"  {name} = {value[name]} {unit[name]}" for name in METRICS if name in value]
