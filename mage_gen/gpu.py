@@ -127,6 +127,14 @@ class Kernel:
             check(cu.cuLaunchKernelEx(launch_config(grid, block, shared, stream, cluster), self.function,
                                       args.address, 0), f"cuLaunchKernelEx({self.name}, cluster {tuple(cluster)})")
 
+    def read_global(self, name: str, dtype: Any) -> np.ndarray:
+        """The module's global variable `name` as an array of dtype (what a probe's kernel recorded there); the
+        caller synchronizes first."""
+        pointer, size = check(cu.cuModuleGetGlobal(self.module, name.encode()), f"cuModuleGetGlobal({name})")
+        out = np.empty(size // np.dtype(dtype).itemsize, dtype=dtype)
+        check(cu.cuMemcpyDtoH(out.ctypes.data, pointer, out.nbytes), "cuMemcpyDtoH")
+        return out
+
     def unload(self) -> None:
         if self.module is not None:
             check(cu.cuModuleUnload(self.module), "cuModuleUnload")

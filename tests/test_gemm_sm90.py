@@ -5,6 +5,7 @@ interpreter, small configs compute C bit for bit at tails, drawn ones pass the g
 caught."""
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from mage_gen import interp
 from mage_gen.dtypes import BFLOAT16, FLOAT32
 from mage_gen.errors import ConfigError
 from mage_gen.ops import get_op
-from mage_gen.ops.gemm_sm90 import consumer_regs, consumer_rows, hilbert_order
+from mage_gen.ops.gemm_sm90 import STAMP_CTAS, STAMP_SLOTS, consumer_regs, consumer_rows, hilbert_order
 from mage_gen.space import expand, load_space
 from mage_gen.variants import build, build_all
 
@@ -596,3 +597,30 @@ def test_stream_k_takes_a_grid_of_single_ctas_and_no_split():
             OP.validate(shape, OP.params_from_dict({**values, "stream_k": True}))
     params = OP.params_from_dict({"grid": 132, "stream_k": True})
     assert OP.geometry(OP.shape(m=64, n=128, k=128), params, {}).grid == (2, 1, 1)  # at most a CTA per step
+
+
+# ---- stamps: a probe's record of each CTA's phases (bench/probes/gemm_sm90_timeline.py) ----
+
+@pytest.mark.parametrize("shape, values", [
+    (dict(m=16, n=4096, k=4096), {"bm": 64, "bn": 128, "consumers": 1, "stages": 8, "split_k": 4}),
+    (dict(m=512, n=6144, k=4096), {"stream_k": True, "grid": 132}),
+    (dict(m=2048, n=4096, k=4096), {"schedule": "pingpong", "epilogue": "tma", "grid": 132}),
+    (dict(m=128, n=28672, k=4096, gate="silu"), {"bn": 256, "stages": 3}),
+])
+def test_stamps_add_a_record_and_leave_the_kernel_s_work_as_it_was(shape, values):
+    shape = OP.shape(**shape)
+    plain, stamped = (build(OP, shape, OP.params_from_dict({**values, "stamps": s}), "sm_90") for s in (False, True))
+    assert stamped.source.kernel_name == plain.source.kernel_name + "_stamps"
+    assert "mg_stamps" not in plain.source.text and "mg_stamps" not in plain.compiled.ptx
+    assert re.search(rf"\.global \.align 8 \.b8 mg_stamps\[{(STAMP_CTAS + 1) * STAMP_SLOTS * 8}\];",
+                     stamped.compiled.ptx)
+    # the same copies, products, barriers and stores of C: only the record's stores are new
+    assert stamped.census.hopper == plain.census.hopper
+    assert stamped.census.stores_of("C") == plain.census.stores_of("C")
+    assert stamped.census.spill_bytes <= 16
+
+
+def test_stamps_are_a_probe_s_switch_outside_every_search_space():
+    for preset in ("quick", "skinny", "full"):
+        assert "stamps" not in dict(load_space(OP, preset).axes)
+    assert "stamps" not in OP.params_to_dict(OP.params_from_dict({}))

@@ -95,7 +95,10 @@ CHAINS = (1, 2, 4)
 PLANTED_BUGS = ("", "swizzle", "sbo", "phase", "proxy_fence", "split_reset", "split_order", "split_fence")
 SPLIT_PLANTS = ("split_reset", "split_order", "split_fence")
 MAX_SPLIT_K = 16
-_HIDDEN = frozenset({"plant", "watchdog_ms"})
+_HIDDEN = frozenset({"plant", "watchdog_ms", "stamps"})
+# stamps (a probe's, bench/probes/gemm_sm90_timeline.py): the first STAMP_CTAS CTAs each record STAMP_SLOTS words in
+# the module's global mg_stamps: when it entered, first copied, first found a stage full, ended its main loops, ended
+STAMP_CTAS, STAMP_SLOTS = 4096, 8
 # A wait on an mbarrier that outlasts this traps: a launch that would hang fails instead
 WATCHDOG_MS = 4000
 
@@ -173,6 +176,7 @@ class Params:
     swap: bool = False
     plant: str = ""  # a deliberate bug, for the tests of the gate only
     watchdog_ms: int = WATCHDOG_MS
+    stamps: bool = False  # clocks of the CTAs' phases into mg_stamps, for a probe only
 
     @property
     def threads(self) -> int:
@@ -619,7 +623,7 @@ class GemmSm90(OpFamily):
                 f"_f{p.inflight}" + (f"_a{p.chains}" if p.chains > 1 else "")
                 + f"_{epilogue(shape, p)}" + (f"_k{p.split_k}" if p.split_k > 1 else "") + ("_sk" if p.stream_k else "")
                 + ("_sw" if p.swap else "")
-                + (f"_bug_{p.plant}" if p.plant else ""))
+                + (f"_bug_{p.plant}" if p.plant else "") + ("_stamps" if p.stamps else ""))
 
     def context(self, shape: Shape, p: Params) -> dict[str, Any]:
         out = OUTPUTS[shape.c_dtype]
@@ -663,6 +667,7 @@ class GemmSm90(OpFamily):
             SK_CTAS=stream_ctas(shape, p) if p.stream_k else 0, PART_THREADS=128 if p.schedule == "pingpong" else 128 * p.consumers,
             SPLIT_BARRIER="3 + consumer" if p.schedule == "pingpong" else "3",
             SPLIT_FLAG_AT=p.stages * stage_bytes + c_stage + 16 * p.stages + (16 if p.schedule == "pingpong" else 0),
+            STAMPS=p.stamps, STAMP_CTAS=STAMP_CTAS, STAMP_SLOTS=STAMP_SLOTS,
         )
 
     def source(self, shape: Shape, p: Params) -> Source:
