@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import math
 import subprocess
 import sys
@@ -182,6 +183,15 @@ def provenance(device) -> dict:
         "torch": torch.__version__, "triton": __import__("triton").__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def earlier_result(device, filename: str) -> dict:
+    """The result file a bench wrote earlier on this GPU (write_result's), or {} where there is none."""
+    try:
+        doc = json.loads((Path("bench/results") / gpu_slug(device.name) / filename).read_text())
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) and doc.get("gpu", {}).get("name") == device.name else {}
 
 
 def write_result(device, filename: str, text: str) -> Path:

@@ -29,7 +29,7 @@ from mage_gen.measure import interleave_rounds, pool_rounds
 from mage_gen.peers import TorchSubject
 from mage_gen.timing import round_ratio
 
-from bench._common import provenance, timing_method, write_result
+from bench._common import earlier_result, provenance, timing_method, write_result
 
 TOKENS = (128, 2048, 16384)
 ROUNDS, PER_ROUND = 6, 3
@@ -167,13 +167,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=list(MODELS), default="llama3-8b")
     parser.add_argument("--tokens", type=int, action="append", help=f"default: {', '.join(map(str, TOKENS))}")
+    parser.add_argument("--keep", action="store_true", help="keep the result file's rows at the token counts this run "
+                                                            "does not measure (each row is its own run's comparison)")
     args = parser.parse_args()
     if any(t < 1 for t in args.tokens or ()):
         parser.error("--tokens takes a positive count")
     device = gpu.open_device()
-    rows = []
-    for tokens in args.tokens or TOKENS:
-        rows.append(bench_tokens(args.model, tokens))
+    name = f"decoder_layer_{args.model}.json"
+    counts = args.tokens or TOKENS
+    # a kept row carries the date of the run that measured it
+    earlier = earlier_result(device, name) if args.keep else {}
+    rows = [{"measured": earlier.get("date", "unknown"), **row} for row in earlier.get("rows", [])
+            if row.get("tokens") not in counts]
+    for tokens in counts:
+        rows.append({**bench_tokens(args.model, tokens), "measured": provenance(device)["date"]})
+        rows.sort(key=lambda row: row["tokens"])
         torch.cuda.empty_cache()
         doc = {"what": f"a {args.model} layer, bf16, forward, under CUDA graphs: eager, torch.compile (two modes) and "
                        "torch.compile after mage_gen.torch.patch, recorded by bench/decoder_layer.py",
@@ -182,8 +190,9 @@ def main() -> None:
                           "ratio": "a way's time over the faster compiled mode's, by paired rounds"},
                **provenance(device), "model": args.model, "rows": rows,
                "targets met (hot)": verdict(rows) if args.model == "llama3-8b" else "the targets are Llama's"}
-        out = write_result(device, f"decoder_layer_{args.model}.json", json.dumps(doc, indent=1) + "\n")
-        print(json.dumps({k: rows[-1][k] for k in ("tokens", "relative_error_vs_float32")}), flush=True)
+        out = write_result(device, name, json.dumps(doc, indent=1) + "\n")
+        print(json.dumps({k: row[k] for row in rows if row["tokens"] == tokens
+                          for k in ("tokens", "relative_error_vs_float32")}), flush=True)
     print(json.dumps(doc["targets met (hot)"], indent=1))
     print(f"wrote {out}", file=sys.stderr)
 

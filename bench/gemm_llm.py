@@ -4,10 +4,13 @@ per-tensor scales, against torch._scaled_mm), fp32 sums, C bf16, B given N×K (a
 throughput, every kernel and peer gated first (bench/gemm_sm90.py's bench_one). Each shape runs this GPU's tuned
 winner (--tune-missing tunes one first, with --preset; --classes takes the entry tuned at the nearest M, as the
 runtime and mage_gen.torch.linear do; --untuned takes the op's default config). The result file
-is rewritten after every shape, so a run cut short keeps what it measured. Writes
+is rewritten after every shape, so a run cut short keeps what it measured, and --resume measures only the shapes
+it lacks: a row is kept where it was measured on this GPU with the kernel that would run now (the same params and
+kernel text), each shape's figures being paired with its peers within its own process. Writes
 bench/results/<gpu>/gemm_llm.json.
 
     python -m bench.gemm_llm --model 8b --m 16 --m 128 --tune-missing
+    python -m bench.gemm_llm --classes --resume      (the whole sweep, over as many calls as it takes)
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import sys
 from mage_gen import gpu
 from mage_gen.ops import get_op
 
-from bench._common import geomean, product_params, provenance, timing_method, write_result
+from bench._common import earlier_result, geomean, product_params, provenance, timing_method, write_result
 from bench.gemm_sm90 import PER_ROUND, ROUNDS, bench_one
 
 TOKENS = (16, 128, 512, 2048, 8192)
@@ -58,9 +61,19 @@ def summarize(rows: list[dict], complete: bool, whole: bool, precision: str = "b
             "cold share of cuBLAS, geomean": geomean(cold), f"below {FLOOR_TARGET} hot": below,
             "targets": targets, "precision": precision,
             "all_targets_met": all(targets.values()),
+            # each row is paired with its own peers in the process that measured it; --resume keeps rows of earlier ones
+            "measured": sorted({r["measured"] for r in rows if "measured" in r}),
             "untuned": [f"{r['m']}x{r['n']}x{r['k']}" for r in rows if r["chosen"].startswith("untuned")],
             "served by a class tuned at another M": [f"{r['m']}x{r['n']}x{r['k']}" for r in rows
                                                      if r["chosen"].startswith("class")]}
+
+
+def _earlier_rows(device, name: str, precision: str) -> dict[tuple[str, str, int], dict]:
+    """The rows of an earlier run's result file on this GPU at this precision, by (model, layer, M)."""
+    doc = earlier_result(device, name)
+    if doc.get("precision", "bf16") != precision:
+        return {}
+    return {(r["model"], r["layer"], r["m"]): r for r in doc.get("shapes", []) if "model" in r and "measured" in r}
 
 
 def main() -> None:
@@ -78,6 +91,8 @@ def main() -> None:
                         help="A and B: bf16 against cuBLAS, or e4m3 with per-tensor scales against torch._scaled_mm")
     parser.add_argument("--out", help="result file name under bench/results/<gpu>/ (default: gemm_llm.json, "
                                       "gemm_llm_e4m3.json)")
+    parser.add_argument("--resume", action="store_true", help="keep the result file's rows of the kernels that would "
+                                                              "run now, and measure the rest")
     args = parser.parse_args()
     if any(m < 1 for m in args.m or ()):
         parser.error("--m takes a positive number of tokens")
@@ -86,6 +101,8 @@ def main() -> None:
     models = list(LAYERS) if args.model == "all" else [args.model]
     cases = [(model, layer, m, n, k) for model in models for m in args.m or TOKENS
              for layer, (n, k) in LAYERS[model].items()]
+    name = args.out or ("gemm_llm.json" if args.precision == "bf16" else "gemm_llm_e4m3.json")
+    earlier = _earlier_rows(device, name, args.precision) if args.resume else {}
     rows: list[dict] = []
     for done, (model, layer, m, n, k) in enumerate(cases, 1):
         shape = op.shape(m=m, n=n, k=k, precision=args.precision)
@@ -93,11 +110,18 @@ def main() -> None:
         tune_flags = ["--precision", args.precision, "--objective", "both", "--trials", str(args.trials),
                       *(["--preset", preset] if preset else [])]
         params, chosen = product_params(op, shape, device, args.tune_missing, args.untuned, tune_flags, args.classes)
-        row = {"model": model, "layer": layer, **bench_one(op, shape, params, chosen, device)}
+        row = earlier.get((model, layer, m))
+        if row is not None and (row.get("params"), row.get("source_hash")) == (
+                op.params_to_dict(params), op.source(shape, params).source_hash) and share(row, "hot"):
+            how = f"kept, measured {row['measured']}"
+        else:
+            row = {"model": model, "layer": layer, **bench_one(op, shape, params, chosen, device),
+                   "measured": provenance(device)["date"]}
+            how = chosen
         rows.append(row)
         hot, cold = share(row, "hot"), share(row, "cold")
         print(f"[{done}/{len(cases)}] {model} {layer:7} {m}x{n}x{k}: "
-              + (f"share of cuBLAS hot {hot:.4f} cold {cold:.4f} ({chosen})" if hot and cold
+              + (f"share of cuBLAS hot {hot:.4f} cold {cold:.4f} ({how})" if hot and cold
                  else f"FAILED GATE {row['gate']['reason']}"), flush=True)
         doc = {
             "what": "mage-gen's Hopper GEMM against cuBLAS and Triton at Llama-3's linear layers, recorded by "
@@ -109,8 +133,7 @@ def main() -> None:
             **provenance(device), "precision": args.precision, "shapes": rows,
             "summary": summarize(rows, done == len(cases), args.model == "all" and not args.m, args.precision),
         }
-        out = write_result(device, args.out or ("gemm_llm.json" if args.precision == "bf16" else "gemm_llm_e4m3.json"),
-                           json.dumps(doc, indent=1) + "\n")
+        out = write_result(device, name, json.dumps(doc, indent=1) + "\n")
     print(json.dumps(doc["summary"], indent=1))
     print(f"wrote {out}", file=sys.stderr)
 

@@ -63,7 +63,7 @@ def bench_one(op, shape, params, chosen: str, device) -> dict:
     bench = Bench(op, shape, {}, seed=shape.m + shape.n + shape.k)
     kernel = bench.load(variant)
     head = {"m": shape.m, "n": shape.n, "k": shape.k, "c_dtype": shape.c_dtype, "kernel": variant.source.kernel_name,
-            "params": op.params_to_dict(params), "chosen": chosen}
+            "source_hash": variant.source.source_hash, "params": op.params_to_dict(params), "chosen": chosen}
     subject, checked = bench.checked_subject(variant, kernel, name="mage-gen")
     if subject is None:
         kernel.unload()
