@@ -803,23 +803,26 @@ def _gpu_facts() -> dict[str, Any]:
 
 def _starting_points(op: Op, shape: Any, run: dict[str, int], space: Any, gpu_name: str, tuned: Path | None,
                      store: bool) -> tuple[Any, list[str], list[tuple[Any, Any]], list[str]]:
-    """What a size class's search measures first: (its stored winner, the axes that winner predates, or where it
-    has none the nearest tuned shapes and their winners (dispatch.SEED_RULE), and the lines that say so)."""
+    """What a size class's search measures first: (its stored winner, the axes that winner predates, the nearest
+    tuned shapes and their winners (dispatch.SEED_RULE), and the lines that say so)."""
     if not store:
         return None, [], [], []
     incumbent = stored_params(op, shape, run, gpu_name, tuned)
-    if incumbent is None:
-        seeds = dispatch.neighbours(op, shape, tuned_shapes(op, gpu_name, tuned), SEEDS)
-        return None, [], seeds, ["  measured first where the preset holds them, the winners of the nearest tuned "
-                                 "shapes: " + "; ".join(str(shape_dict(other)) for other, _ in seeds)] if seeds else []
-    notes = [f"  the stored winner {op.kernel_name(shape, incumbent)} is measured first where the preset holds it, "
-             "and re-timed in the final round"]
-    named = stored_axes(op, shape, run, gpu_name, tuned)
-    unrecorded = [axis for axis, values in space.axes if axis not in named and len(values) > 1]
-    if unrecorded:
-        notes.append(f"  it was tuned before {', '.join(unrecorded)} existed: it is also measured first at each "
-                     f"value of {'it' if len(unrecorded) == 1 else 'them'}")
-    return incumbent, unrecorded, [], notes
+    notes, unrecorded = [], []
+    if incumbent is not None:
+        notes.append(f"  the stored winner {op.kernel_name(shape, incumbent)} is measured first where the preset holds "
+                     "it, and re-timed in the final round")
+        named = stored_axes(op, shape, run, gpu_name, tuned)
+        unrecorded = [axis for axis, values in space.axes if axis not in named and len(values) > 1]
+        if unrecorded:
+            notes.append(f"  it was tuned before {', '.join(unrecorded)} existed: it is also measured first at each "
+                         f"value of {'it' if len(unrecorded) == 1 else 'them'}")
+    seeds = [(other, params) for other, params in dispatch.neighbours(op, shape, tuned_shapes(op, gpu_name, tuned),
+                                                                      SEEDS + 1) if params != incumbent][:SEEDS]
+    if seeds:
+        notes.append("  then, where the preset holds them, the winners of the nearest tuned shapes: "
+                     + "; ".join(str(shape_dict(other)) for other, _ in seeds))
+    return incumbent, unrecorded, seeds, notes
 
 
 def _tune_size_class(op: Op, shape: Any, run: dict[str, int], space: Any, replayed: Any, seed: int,

@@ -29,10 +29,10 @@ CLASS_RULE = ("of the entries equal to the launch's shape in every field but the
 PEER_RULE = ("mage_gen.torch.linear asked with cublas_where_faster=True (as a patched model's nn.Linear asks) calls "
              "F.linear (cuBLAS) instead of the kernel for a bf16 product whose serving entry was timed slower than "
              "cuBLAS in its tune's final round, by the tune's objective (hot, cold, or the geometric mean of both)")
-SEED_RULE = ("a size class with no stored winner of its own is searched from the winners of the tuned shapes nearest "
-             "to it on a log scale over every size, whatever their types and epilogue (at one distance, those that "
-             "differ from it in the fewest of those fields first), each whose params are valid for it: they are "
-             "measured first, where the preset holds them")
+SEED_RULE = ("a size class's search measures first its stored winner, then the winners of the tuned shapes nearest to "
+             "it on a log scale over every size, whatever their types and epilogue (at one distance, those that "
+             "differ from it in the fewest of those fields first), each whose params are valid for it and lie in "
+             "the preset")
 # --m auto: the L2-resident size fills at most this share of the L2, the DRAM-bound one at least this many L2s,
 # so that neither sits near the boundary where hot and cold timings blur.
 AUTO_L2_SHARE = 0.5

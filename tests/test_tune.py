@@ -840,7 +840,8 @@ def test_cli_retune_measures_the_stored_winner_first(recording_path, tmp_path):
     assert study.trials[0].user_attrs["kernel"] == stored["kernel"]
 
 
-def test_cli_tune_of_an_untuned_shape_measures_the_nearest_tuned_shape_s_winner_first(recording_path, tmp_path):
+def test_cli_tune_of_an_untuned_shape_measures_the_nearest_tuned_shape_s_winner_first(recording_path, recording,
+                                                                                    tmp_path):
     env, common = first_cli_tune(recording_path, tmp_path)
     # the winner moved to d = 1024: d = 768 is untuned again, with a neighbour whose params it can take
     path = tmp_path / "tuned" / "h200" / "layernorm.json"
@@ -854,6 +855,21 @@ def test_cli_tune_of_an_untuned_shape_measures_the_nearest_tuned_shape_s_winner_
     assert "the winners of the nearest tuned shapes: {'d': 1024}" in " ".join(second.stderr.split())
     study = optuna.load_study(study_name="second", storage=sqlite(tmp_path))
     assert study.trials[0].user_attrs["kernel"] == entry["kernel"]  # d = 1024's params, built at d = 768
+    # a retune measures its own stored winner first, then a neighbour's (another config of the first study, moved
+    # to d = 512)
+    other = next(p for p in expand(OP, SHAPE, QUICK)[0] if OP.kernel_name(SHAPE, p) != entry["kernel"]
+                 and hot_median(recording, OP.kernel_name(SHAPE, p)) is not None)
+    doc = json.loads(path.read_text())
+    doc["entries"]["d=768/float32/m=4096"] = entry
+    doc["entries"]["d=512/float32/m=4096"] = {**entry, "shape": {**entry["shape"], "d": 512},
+                                              "params": OP.params_to_dict(other)}
+    path.write_text(json.dumps(doc))
+    third = mage_gen(*common, "--seed", "5", "--study", "third", env=env, cwd=tmp_path)
+    assert third.returncode == 0, third.stderr
+    said = " ".join(third.stderr.split())
+    assert said.index("the stored winner") < said.index("the winners of the nearest tuned shapes: {'d': 512}")
+    trials = optuna.load_study(study_name="third", storage=sqlite(tmp_path)).trials
+    assert [t.user_attrs["kernel"] for t in trials[:2]] == [entry["kernel"], OP.kernel_name(SHAPE, other)]
 
 
 def test_a_replay_writes_no_tuned_entry_study_or_kernel_unless_given_paths(recording_path, tmp_path):
