@@ -820,8 +820,8 @@ def _starting_points(op: Op, shape: Any, run: dict[str, int], space: Any, gpu_na
     seeds = [(other, params) for other, params in dispatch.neighbours(op, shape, tuned_shapes(op, gpu_name, tuned),
                                                                       SEEDS + 1) if params != incumbent][:SEEDS]
     if seeds:
-        notes.append("  then, where the preset holds them, the winners of the nearest tuned shapes: "
-                     + "; ".join(str(shape_dict(other)) for other, _ in seeds))
+        notes.append(f"  {'then' if incumbent is not None else 'first'}, where the preset holds them, the winners of "
+                     "the nearest tuned shapes: " + "; ".join(str(shape_dict(other)) for other, _ in seeds))
     return incumbent, unrecorded, seeds, notes
 
 
