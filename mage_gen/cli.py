@@ -39,7 +39,7 @@ from mage_gen.variants import Variant, build, build_each, check_op_arch
 # imported inside it: every other command starts without them.
 EXHAUSTIVE_LIMIT, DEFAULT_TPE_TRIALS = 64, 96  # mage_gen.tune's; a test holds the two in step
 MANY_VARIANTS = 2000  # a compile of more says how long it may take before it starts
-SEEDS = 3  # winners of the nearest tuned shapes that a size class with none of its own is searched from first
+SEEDS = 3  # winners of the nearest tuned shapes a size class's search measures after its own (dispatch.SEED_RULE)
 
 # Plain help: the rich help tags every flag with a type (--json <bool>), as if it took a value.
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
