@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from mage_gen import gpu
 from mage_gen.ops import get_op
@@ -93,9 +94,14 @@ def main() -> None:
                                       "gemm_llm_e4m3.json)")
     parser.add_argument("--resume", action="store_true", help="keep the result file's rows of the kernels that would "
                                                               "run now, and measure the rest")
+    parser.add_argument("--budget-s", type=float, help="start no shape once this many seconds have passed less the "
+                                                       "longest shape so far (a call with a time limit ends between "
+                                                       "shapes; --resume goes on)")
     args = parser.parse_args()
     if any(m < 1 for m in args.m or ()):
         parser.error("--m takes a positive number of tokens")
+    if args.budget_s is not None and args.budget_s <= 0:
+        parser.error("--budget-s takes a positive number of seconds")
     op = get_op("gemm_sm90")
     device = gpu.open_device()
     models = list(LAYERS) if args.model == "all" else [args.model]
@@ -103,8 +109,21 @@ def main() -> None:
              for layer, (n, k) in LAYERS[model].items()]
     name = args.out or ("gemm_llm.json" if args.precision == "bf16" else "gemm_llm_e4m3.json")
     earlier = _earlier_rows(device, name, args.precision) if args.resume else {}
+    whole = args.model == "all" and not args.m
     rows: list[dict] = []
+    doc: dict = {}
+    began, longest = time.monotonic(), 0.0
     for done, (model, layer, m, n, k) in enumerate(cases, 1):
+        if args.budget_s is not None and time.monotonic() - began + longest > args.budget_s:
+            # the earlier rows of the shapes not reached stay in the file, for the next --resume to check
+            later = [earlier[(mo, la, mm)] for mo, la, mm, _, _ in cases[done - 1:] if (mo, la, mm) in earlier]
+            write_result(device, name, json.dumps({**doc, "shapes": rows + later,
+                                                   "summary": summarize(rows + later, False, whole, args.precision)},
+                                                  indent=1) + "\n")
+            print(f"stopping before {model} {layer} M={m}: the budget of {args.budget_s:.0f} s would not hold another "
+                  "shape; --resume goes on", flush=True)
+            return
+        started = time.monotonic()
         shape = op.shape(m=m, n=n, k=k, precision=args.precision)
         preset = args.preset or ("skinny" if m <= SKINNY_UP_TO else None)
         tune_flags = ["--precision", args.precision, "--objective", "both", "--trials", str(args.trials),
@@ -131,9 +150,10 @@ def main() -> None:
                        "share": "cuBLAS's time over ours by round, the median of the rounds (paired)",
                        "cublas": "torch.matmul(A, B.t()) with bf16 A, B and C (F.linear's product)"},
             **provenance(device), "precision": args.precision, "shapes": rows,
-            "summary": summarize(rows, done == len(cases), args.model == "all" and not args.m, args.precision),
+            "summary": summarize(rows, done == len(cases), whole, args.precision),
         }
         out = write_result(device, name, json.dumps(doc, indent=1) + "\n")
+        longest = max(longest, time.monotonic() - started)
     print(json.dumps(doc["summary"], indent=1))
     print(f"wrote {out}", file=sys.stderr)
 
