@@ -91,16 +91,19 @@ _PRESETS = _preset_names()
 
 
 def _parse_sizes(op: Op, text: str) -> list[int] | str:
-    """tune's --m: for an op sized at launch, one or more comma-separated run sizes or 'auto'; for an op
-    whose M is fixed at generation, one number."""
+    """tune's --m: for an op sized at launch, one or more comma-separated run sizes or 'auto'; for an op whose
+    entries are size classes over M (gemm_sm90), one or more M, a shape each; for another op whose M is fixed at
+    generation, one number."""
     value = text.strip().lower()
     if value == "auto" and "m" in op.run_dims:
         return "auto"
+    several = "m" in op.run_dims or "m" in op.class_dims
     parts = [part.strip() for part in value.split(",")]
     if not all(part.isdigit() for part in parts):
-        allowed = "a whole number, several separated by commas, or auto" if "m" in op.run_dims else "a whole number"
+        allowed = ("a whole number, several separated by commas" + (", or auto" if "m" in op.run_dims else "")
+                   if several else "a whole number")
         raise MageError(f"m: --m takes {allowed}, got {text!r}")
-    if len(parts) > 1 and "m" not in op.run_dims:
+    if len(parts) > 1 and not several:
         raise MageError(f"m: {op.name} fixes M when it is generated; give one --m")
     return list(dict.fromkeys(int(part) for part in parts))
 
@@ -570,9 +573,10 @@ def _print_result(op: Op, result: Any, objective: str, note: str = "") -> None:
 @app.command("tune")
 def tune_command(
     op_name: str = OpArg, d: Optional[int] = DOpt,
-    m: Optional[str] = typer.Option(None, "--m", help="matmul: M. layernorm: the rows to tune at, one size class "
-                                                      "each: 4096, 4096,65536, or auto (one M whose x and y fit "
-                                                      "the GPU's L2, one that does not; default 4096)"),
+    m: Optional[str] = typer.Option(None, "--m", help="matmul: M. gemm_sm90: M, or several (16,128,2048), a size "
+                                                      "class each, tuned in turn. layernorm: the rows to tune at, "
+                                                      "one size class each: 4096, 4096,65536, or auto (one M whose "
+                                                      "x and y fit the GPU's L2, one that does not; default 4096)"),
     n: Optional[int] = NOpt, k: Optional[int] = KOpt,
     preset: Optional[str] = typer.Option(None, help=f"search-space preset of search/<op>.toml ({_PRESETS})"),
     trials: Optional[int] = typer.Option(None, min=1, help="configs each study measures in all, earlier runs "
@@ -605,9 +609,12 @@ def tune_command(
 
     op = get_op(op_name)
     sizes = _parse_sizes(op, m) if m is not None else None
-    shape, default_run = _problem(op, _shape_only_config(op, config), d=d,
-                                  m=sizes[0] if sizes and "m" in op.shape_dims else None, n=n, k=k, dtype=dtype,
-                                  weight_dtype=weight_dtype, precision=precision)
+    # an op whose entries are classes over M (gemm_sm90) takes a shape for each M given
+    problems = [_problem(op, _shape_only_config(op, config), d=d, m=size, n=n, k=k, dtype=dtype,
+                         weight_dtype=weight_dtype, precision=precision)
+                for size in (sizes if sizes and "m" in op.shape_dims else [None])]
+    shapes = [each for each, _ in problems]
+    shape, default_run = problems[0]
     if objective not in OBJECTIVES:
         raise MageError(f"objective: use {', '.join(OBJECTIVES)}, got {objective!r}")
     if study and isinstance(sizes, list) and len(sizes) > 1:
@@ -626,7 +633,7 @@ def tune_command(
     except NoGpuError as exc:  # said at once: compiling a preset here first could take hours, for nothing timed
         raise NoGpuError(f"{exc}; tuning times kernels. `mage-gen variants {op.name} {shape_arguments(shape, every_field=False)}"
                          f"{' --preset ' + preset if preset else ''}` compiles and counts them here") from None
-    space = load_space(op, preset, shape, sms=int(device["sms"]))
+    spaces = {each: load_space(op, preset, each, sms=int(device["sms"])) for each in shapes}
     target = "sm_" + str(device["cc"]).replace(".", "")
     if arch and check_arch(arch) != target:
         raise MageError(f"arch: the GPU here is {target}; kernels for {arch} cannot be timed on it")
@@ -648,25 +655,31 @@ def tune_command(
         from mage_gen.tune import IN_MEMORY
 
         storage = storage or IN_MEMORY
-        study = study or _replay_study_name(op, shape, space, replayed)
     # Where the winners go is checked before the search, so that nothing is measured in vain.
     if store:
         check_can_save(op.name, device["name"], tuned)
         check_out_dir(out_dir)
-    for run in runs:
-        if len(runs) > 1:
-            err.print(f"tuning {op.name} {shape_dict(shape)} at {run} ({dispatch.regime(op, shape, run, int(device['l2_bytes']))}"
-                      " size class)", markup=False, highlight=False)
-        _tune_size_class(op, shape, run, space, replayed, seed, objective=objective, trials=trials,
-                         storage=storage, study=study, tuned=tuned, store=store, gpus=chosen_gpus)
+    # each class in turn, so that each later one's search measures the winners stored before it (SEED_RULE)
+    for each in shapes:
+        for run in runs:
+            if len(runs) > 1:
+                err.print(f"tuning {op.name} {shape_dict(each)} at {run} "
+                          f"({dispatch.regime(op, each, run, int(device['l2_bytes']))} size class)",
+                          markup=False, highlight=False)
+            elif len(shapes) > 1:
+                err.print(f"tuning {op.name} {shape_dict(each)}", markup=False, highlight=False)
+            named = study or (_replay_study_name(op, each, spaces[each], replayed) if replayed is not None else None)
+            _tune_size_class(op, each, run, spaces[each], replayed, seed, objective=objective, trials=trials,
+                             storage=storage, study=named, tuned=tuned, store=store, gpus=chosen_gpus)
     if not store:
         out.print("replay: the winner is not stored or emitted; give --tuned DIR (and -o) to keep it, marked as a "
                   "replay")
         return
     # A tune's job is the new winner: it replaces what an earlier tune emitted into --out.
-    for path in _emit_tuned(op, shape, device["name"], target, out_dir, None, replace=True, directory=tuned,
-                            skip_stale=True):
-        print(path)
+    for each in shapes:
+        for path in _emit_tuned(op, each, device["name"], target, out_dir, None, replace=True, directory=tuned,
+                                skip_stale=True):
+            print(path)
 
 
 @app.command("worker")

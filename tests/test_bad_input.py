@@ -184,6 +184,11 @@ CASES = [
      ["--m takes a whole number, several separated by commas, or auto", "'4096,lots'"]),
     ("tune-matmul-several-m", ["tune", "matmul", "--m", "64,128", "--n", "64", "--k", "64"], None,
      ["matmul fixes M when it is generated", "give one --m"]),
+    # gemm_sm90's entries are classes over M: several M are several shapes, checked each before a GPU is looked for
+    ("tune-gemm-several-m-one-out-of-range", ["tune", "gemm_sm90", "--m", "16,2000000", "--n", "64", "--k", "64"],
+     None, ["m-range", "got 2000000"]),
+    ("tune-gemm-several-m-one-study", ["tune", "gemm_sm90", "--m", "16,32", "--n", "64", "--k", "64", "--study",
+                                       "S"], None, ["one --study name cannot hold several size classes"]),
     ("tune-m-zero", [*TUNE_REPLAY, "--m", "0", "--storage", SQLITE], None, ["m-range", "1.."]),
     ("replay-at-another-m", [*TUNE_REPLAY, "--m", "4096,65536", "--storage", SQLITE], None,
      ["recording was made at {{'m': 4096}}", "give --m to match it"]),

@@ -946,3 +946,39 @@ def test_the_rmsnorm_space_for_long_rows_starts_from_inductor_s_kernel_too():
     # then Inductor's kernel with w asked of L2 as the launch starts
     inductor_asking = dataclasses.replace(inductor, weights="l2")
     assert inductor_asking in valid and inductor_asking in first
+
+
+def test_cli_tunes_a_gemm_at_several_m_in_turn_each_from_the_winners_stored_before_it(tmp_path):
+    """gemm_sm90's entries are classes over M: --m 16,32 tunes two shapes, one study each, and the second measures
+    the first's fresh winner first (a recording of made-up times stands in for the GPU)."""
+    gemm = get_op("gemm_sm90")
+    device = {"name": "NVIDIA H200", "cc": "9.0", "sms": 132, "l2_bytes": 60 << 20, "driver": "13.0"}
+    variants = []
+    for m in (16, 32):
+        shape = gemm.shape(m=m, n=64, k=64)
+        for i, params in enumerate(expand(gemm, shape, load_space(gemm, "quick", shape, sms=132))[0]):
+            timing = {method: {"method": method, "samples": 8, "median_us": 10.0 + i, "spread_us": 0.1,
+                               "min_us": 10.0 + i} for method in ("hot", "cold")}
+            variants.append({"kernel": gemm.kernel_name(shape, params), "gate": {"passed": True, "reason": "",
+                                                                                 "worst_error": 0.0}, **timing})
+    recording = tmp_path / "gemm_recording.json"
+    recording.write_text(json.dumps({"gpu": device, "variants": variants}))
+    env = {**os.environ, "MAGE_GEN_TUNED": str(tmp_path / "tuned")}
+    done = mage_gen("tune", "gemm_sm90", "--m", "16,32", "--n", "64", "--k", "64", "--replay", str(recording),
+                    "--trials", "3", "--storage", sqlite(tmp_path), "--tuned", str(tmp_path / "tuned"), "-o",
+                    str(tmp_path / "k"), env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    said = " ".join(done.stderr.split())
+    assert said.index("tuning gemm_sm90 {'m': 16") < said.index("tuning gemm_sm90 {'m': 32")
+    assert "winners of the nearest tuned shapes: {'m': 16, 'n': 64, 'k': 64}" in said
+    entries = json.loads((tmp_path / "tuned" / "h200" / "gemm_sm90.json").read_text())["entries"]
+    assert sorted(entries) == ["m=16,n=64,k=64/bf16/nk/bf16", "m=32,n=64,k=64/bf16/nk/bf16"]
+    studies = optuna.get_all_study_summaries(storage=sqlite(tmp_path))
+    assert len(studies) == 2
+    second = next(s for s in studies if "m32" in s.study_name)
+    first_trial = optuna.load_study(study_name=second.study_name, storage=sqlite(tmp_path)).trials[0]
+    m16 = entries["m=16,n=64,k=64/bf16/nk/bf16"]
+    assert first_trial.user_attrs["kernel"] == gemm.kernel_name(gemm.shape(m=32, n=64, k=64),
+                                                                gemm.params_from_dict(m16["params"]))
+    assert sorted(p.name for p in (tmp_path / "k").iterdir() if p.suffix == ".cu") == [
+        "gemm_sm90_bf16_nk_bf16_m16_n64_k64.cu", "gemm_sm90_bf16_nk_bf16_m32_n64_k64.cu"]
