@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from drawn import gate_a_drawn_gemm_on_the_interpreter  # tests/drawn.py
 from mage_gen import interp
 from mage_gen.dtypes import BFLOAT16, FLOAT32
+from mage_gen.compile import compile_source
 from mage_gen.errors import ConfigError
 from mage_gen.ops import get_op
 from mage_gen.ops.gemm_sm90 import STAMP_CTAS, STAMP_SLOTS, consumer_regs, consumer_rows, hilbert_order
@@ -269,6 +270,55 @@ def test_a_small_config_on_the_interpreter_matches_numpy_bit_for_bit_at_tails(c_
     exact = OP.reference(shape, inputs, {})["C"]
     expected = BFLOAT16.round(exact) if c_dtype == "bf16" else exact.astype(np.float32)
     assert out.dtype == expected.dtype and np.array_equal(out.view(np.uint8), expected.view(np.uint8))
+
+
+# ---- clusters on the interpreter: a cluster's CTAs run together, multicasting into and arriving on each other ----
+
+@pytest.mark.parametrize("values", [
+    {"cluster": 2},  # tiles of one column share B: M's tail in the second CTA
+    {"cluster": 2, "multicast": "a", "epilogue": "tma"},  # tiles of one row share A: N's tail
+    {"cluster": 2, "schedule": "pingpong", "consumers": 2, "grid": 4},
+    {"cluster": 2, "bn": 128, "stages": 3, "inflight": 0},
+])
+@pytest.mark.parametrize("b_layout", ["nk", "kn"])
+def test_a_clustered_config_on_the_interpreter_matches_numpy_bit_for_bit_at_tails(values, b_layout):
+    shape = OP.shape(m=257, n=136, k=200, b_layout=b_layout)
+    # a cluster sharing a K×N B tile copies it in boxes of 64 columns, half each: a 128-wide tile at least
+    wide = {"bn": 128} if b_layout == "kn" else {}
+    variant = build(OP, shape, OP.params_from_dict({**SMALL, "producer_regs": 40, **values, **wide}), "sm_90")
+    assert OP.geometry(shape, variant.params, {}).cluster == (2, 1, 1)
+    inputs = _whole_numbers(shape, np.random.default_rng(11))
+    out = interp.launch_with(OP, shape, variant, {}, inputs)["C"]
+    expected = BFLOAT16.round(OP.reference(shape, inputs, {})["C"])
+    assert np.array_equal(out.view(np.uint8), expected.view(np.uint8))
+
+
+@pytest.mark.parametrize("old, new, caught", [
+    # the B tile multicast into this CTA only: the peer's full stage never gets its half, and the kernel hangs
+    ("(unsigned short)(3)", "(unsigned short)(1)", "at barrier.cluster.wait for phase 1"),
+    # no cluster barrier before the first copies: the peer's mbarriers may not be initialised yet
+    ("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;", "",
+     "no mbarrier was initialised"),
+    # a stage freed in this CTA only: the peer's producer waits for an arrival that never comes
+    ("if (threadIdx.x % 128 < 2) ", "if (threadIdx.x % 128 < 1) ", "every warp of the cluster"),
+])
+def test_the_interpreter_catches_a_cluster_s_missing_copy_barrier_or_arrival(old, new, caught):
+    shape = OP.shape(m=256, n=136, k=520)  # 9 stages' worth of K in 4 stages: each stage is freed and filled again
+    variant = build(OP, shape, OP.params_from_dict({"cluster": 2}), "sm_90")
+    assert interp.gate(OP, shape, variant, {}, np.random.default_rng(0)).passed
+    assert old in variant.source.text
+    source = dataclasses.replace(variant.source, text=variant.source.text.replace(old, new, 1))
+    broken = dataclasses.replace(variant, compiled=compile_source(source, "sm_90a"))
+    result = interp.gate(OP, shape, broken, {}, np.random.default_rng(0))
+    assert not result.passed and caught in result.reason, result.reason
+
+
+def test_a_cluster_whose_blocks_also_meet_through_global_memory_is_refused_not_guessed():
+    # Visibility follows one running block's threads; a cluster's run together
+    shape = OP.shape(m=256, n=136, k=200)
+    variant = build(OP, shape, OP.params_from_dict({"cluster": 2, "split_k": 2}), "sm_90")
+    result = interp.gate(OP, shape, variant, {}, np.random.default_rng(0))
+    assert not result.passed and "inside clusters are not modeled" in result.reason
 
 
 @pytest.mark.parametrize("plant, caught", [

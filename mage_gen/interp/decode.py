@@ -13,7 +13,7 @@ from mage_gen.interp.program import BAR, BRA, EXIT, OP, Decoder, Instr, Program
 
 _BUILDERS = {**alu.BUILDERS, **memops.BUILDERS, **tensor.BUILDERS, **hopper.BUILDERS}
 # what makes a block keep the asynchronous proxy's state (hopper.AsyncState)
-_ASYNC = {"mbarrier", "wgmma", "fence", "stmatrix"}
+_ASYNC = {"mbarrier", "wgmma", "fence", "stmatrix", "mapa"}
 
 
 def _control(dec: Decoder, st, parts) -> tuple[int, int]:
@@ -29,8 +29,6 @@ def _control(dec: Decoder, st, parts) -> tuple[int, int]:
         if parts[1:] not in ([], ["uni"]):
             raise UnknownInstruction(f"{parts[0]} modifier(s) {parts[1:]}")
         return EXIT, -1
-    if parts[1:2] == ["cluster"]:
-        raise UnknownInstruction("cluster barriers: clusters are not modeled here (run cluster 1 on the interpreter)")
     # bar.sync 0 (every thread of the block), or bar.sync id, count (a named barrier of count threads)
     if parts[1:] not in (["sync"], ["sync", "aligned"]) or not 1 <= len(st.operands) <= 2:
         raise UnknownInstruction("only bar.sync id[, count] is implemented")
@@ -53,7 +51,10 @@ def decode_entry(entry: Entry) -> Program:
             if st.guard:
                 neg = st.guard.startswith("!")
                 guard = dec.slot(st.guard.lstrip("!"))
-            if parts[0] in ("bra", "ret", "exit", "bar", "barrier"):
+            if parts[:2] == ["barrier", "cluster"]:  # a barrier of the cluster's blocks: hopper.py, as an mbarrier's
+                dec.prog.async_proxy = True
+                ins = Instr(OP, hopper.barrier_cluster(dec, st, parts), guard, neg, -1, st.line, st.text)
+            elif parts[0] in ("bra", "ret", "exit", "bar", "barrier"):
                 kind, target = _control(dec, st, parts)
                 ins = Instr(kind, _barrier_operands(dec, st) if kind == BAR else None, guard, neg, target, st.line,
                             st.text, uni="uni" in parts[1:])

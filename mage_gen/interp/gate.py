@@ -47,7 +47,7 @@ def launch_with(op, shape: Any, variant: Any, run_sizes: dict[str, int], inputs:
                 if isinstance(array, np.ndarray)}
     args += [TensorMap(spec, pointers[spec.tensor]) for spec in tensor_maps(op, shape, variant.params).values()]
     run(variant.compiled.ptx, variant.source.kernel_name, launch.grid, launch.block, launch.dynamic_shared_bytes,
-        args, stats, reverse)
+        args, stats, reverse, launch.cluster)
     for arg in launch_args(op, shape, variant.params):
         if arg.kind == "zeroed" and (left := int(np.count_nonzero(pointers[arg.name]))):
             raise InterpError(f"{arg.name}: {left} of {arg.elements} words are not zero after the launch, which "

@@ -1,6 +1,9 @@
 """Hopper's asynchronous proxy, at the level the templates use it: mbarriers, TMA copies over tensor maps, wgmma
-over shared-memory descriptors, the proxy fence, stmatrix. A cluster is a single CTA here (mapa, multicast and
-cluster barriers are not modeled).
+over shared-memory descriptors, the proxy fence, stmatrix; and a cluster's CTAs reaching each other (launch.Cluster
+runs them together): mapa gives CTA r's shared address a as a + (r + 1) · CLUSTER_WINDOW, an mbarrier arrival may
+land on another CTA's barrier, a multicast copy writes its box into every CTA its mask names and completes its
+bytes on each one's mbarrier at the same address, and barrier.cluster holds every warp of the cluster until all
+have arrived.
 
 mbarrier: a phase completes when its pending arrivals and its transaction bytes both reach zero; try_wait.parity p
 is true once the phase of parity p has completed (on a fresh barrier, parity 1 at once). A warp that waits in vain
@@ -32,6 +35,7 @@ from mage_gen.interp.memory import NONE
 from mage_gen.interp.program import LANES, Decoder, parse_int
 
 PARAM_GENERIC_BASE = 0x7D00_0000_0000  # generic address of parameter byte 0 (cvta.param)
+CLUSTER_WINDOW = 1 << 24  # mapa: CTA r's shared byte a is a + (r + 1) · CLUSTER_WINDOW (a CTA's own: a)
 TENSOR_MAP_BYTES = 128
 _MAGIC = b"MGTMAPv1"
 _MAP = struct.Struct("<8sQIIQQQII I")  # magic, address, element size, rank, dims[2], stride, box[2], swizzle
@@ -140,6 +144,68 @@ class AsyncState:
         self.landed_bar[idx] = -1
 
 
+def _peer(w, addr: int, what: str):
+    """(the block, its own shared address) a shared::cluster address names: the warp's own block below
+    CLUSTER_WINDOW, else the cluster's CTA of that rank (mapa)."""
+    if addr < CLUSTER_WINDOW:
+        return w.block, addr
+    rank, local = addr // CLUSTER_WINDOW - 1, addr % CLUSTER_WINDOW
+    blocks = w.block.cluster.blocks if w.block.cluster is not None else [w.block]
+    if rank >= len(blocks):
+        raise InterpError(f"{what}: shared::cluster address {addr:#x} names CTA {rank} of a cluster of {len(blocks)}")
+    return blocks[rank], local
+
+
+def _mapa(dec: Decoder, st, parts):
+    if parts[1:] != ["shared::cluster", "u32"]:
+        raise UnknownInstruction("only mapa.shared::cluster.u32 is modeled")
+    d = dec.dst(st.operands[0])
+    src = dec.src(st.operands[1], np.uint32)
+    rank = dec.src(st.operands[2], np.uint32)
+    what = _what(st)
+
+    def fn(w, mask):
+        a = np.broadcast_to(src(w.r), (LANES,)).astype(np.uint64)
+        r = np.broadcast_to(rank(w.r), (LANES,)).astype(np.uint64)
+        size = w.block.cluster.size if w.block.cluster is not None else 1
+        sel = w.active(mask)
+        if (a[sel] >= CLUSTER_WINDOW).any() or (r[sel] >= size).any():
+            raise InterpError(f"{what}: mapa of a shared address past {CLUSTER_WINDOW:#x} or of a rank past the "
+                              f"cluster's {size} CTAs")
+        w.put(d, (a + (r + np.uint64(1)) * np.uint64(CLUSTER_WINDOW)).astype(np.uint32), mask)
+    return fn
+
+
+def barrier_cluster(dec: Decoder, st, parts):
+    """barrier.cluster.arrive[.release|.relaxed].aligned and barrier.cluster.wait[.acquire].aligned: each warp arrives
+    at the cluster's current phase, and a wait goes on once that phase has completed (launch.Cluster.settle)."""
+    what = _what(st)
+    op, mods = parts[2], [p for p in parts[3:] if p != "aligned"]
+    if not ((op == "arrive" and mods in ([], ["release"], ["relaxed"])) or (op == "wait" and mods in ([], ["acquire"]))):
+        raise UnknownInstruction(f"barrier.cluster.{'.'.join(parts[2:])} not implemented")
+
+    def cluster_of(w):
+        if w.block.cluster is None:
+            raise InterpError(f"{what}: a cluster barrier in a launch without clusters (give run's cluster)")
+        return w.block.cluster
+
+    def arrive(w, mask):
+        _whole(w, mask, what)
+        if w.cluster_arrived is not None:
+            raise InterpError(f"{what}: warp {w.index} of block {w.block.ctaid} arrives again before it waited")
+        w.cluster_arrived = cluster_of(w).phase
+
+    def wait(w, mask):
+        _whole(w, mask, what)
+        if w.cluster_arrived is None:
+            raise InterpError(f"{what}: warp {w.index} of block {w.block.ctaid} waits without having arrived")
+        if cluster_of(w).phase > w.cluster_arrived:
+            w.cluster_arrived = None
+        else:
+            w.retry = ("cluster", w.cluster_arrived)
+    return arrive if op == "arrive" else wait
+
+
 def state(block) -> AsyncState:
     if block.asyncs is None:
         block.asyncs = AsyncState(block.shared.words.size)
@@ -169,9 +235,11 @@ def _bracket(text: str) -> str:
 def _mbarrier(dec: Decoder, st, parts):
     what = _what(st)
     op = parts[1]
-    mods = [p for p in parts[2:] if p not in ("shared", "shared::cta", "b64", "release", "acquire", "cta")]
+    remote = op == "arrive" and "shared::cluster" in parts  # on a barrier a mapa address may name in another CTA
+    mods = [p for p in parts[2:] if p not in ("shared", "shared::cta", "b64", "release", "acquire", "cta")
+            and not (remote and p in ("shared::cluster", "cluster"))]
     if mods and not (op == "try_wait" and mods == ["parity"]) and not (op == "arrive" and mods == ["expect_tx"]):
-        raise UnknownInstruction(f"mbarrier modifier(s) {mods} not implemented (clusters are not modeled)")
+        raise UnknownInstruction(f"mbarrier modifier(s) {mods} not implemented")
     if op == "init":
         base, off = dec.address(st.operands[0])
         count = dec.src(st.operands[1], np.uint32)
@@ -194,11 +262,13 @@ def _mbarrier(dec: Decoder, st, parts):
         tx = dec.src(st.operands[2], np.uint32) if "expect_tx" in mods else None
 
         def arrive(w, mask):
-            a = state(w.block)
             sel = w.active(mask)
             addrs = np.broadcast_to(base(w.r) + off, (LANES,))[sel].tolist()
             bytes_ = np.broadcast_to(tx(w.r), (LANES,))[sel].tolist() if tx is not None else [0] * len(addrs)
             for addr, nbytes in zip(addrs, bytes_):
+                block, addr = _peer(w, int(addr), what) if remote else (w.block, addr)
+                a = state(block)
+                a.epoch += 1
                 bar = a.barrier(addr, what)
                 bar.tx += int(nbytes)
                 bar.pending -= 1
@@ -206,7 +276,7 @@ def _mbarrier(dec: Decoder, st, parts):
                     raise InterpError(f"{what}: more arrivals on the mbarrier at {addr:#x} than its {bar.count} a "
                                       "phase")
                 bar.settle()
-            a.epoch += 1
+            state(w.block).epoch += 1
         return arrive
     if op == "try_wait":
         pred = dec.dst(st.operands[0])
@@ -260,26 +330,39 @@ def _cp_bulk_tensor(dec: Decoder, st, parts):
     q = parts[4:]
     if not q or q[0] != "2d":
         raise UnknownInstruction("only 2-D cp.async.bulk.tensor is modeled")
-    if any("multicast" in p for p in q):
-        raise UnknownInstruction("TMA multicast needs clusters, which are not modeled: run cluster 1")
     load = q[1] == "shared::cluster" and q[2] == "global"
     if load:
-        extra = [p for p in q[3:] if p not in ("tile", "mbarrier::complete_tx::bytes", "L2::cache_hint")]
-        if extra:
-            raise UnknownInstruction(f"cp.async.bulk.tensor modifier(s) {extra} not implemented")
+        multicast = "multicast::cluster" in q
+        extra = [p for p in q[3:] if p not in ("tile", "mbarrier::complete_tx::bytes", "L2::cache_hint",
+                                                "multicast::cluster")]
+        if extra or "L2::cache_hint" in q and multicast:
+            raise UnknownInstruction(f"cp.async.bulk.tensor modifier(s) {q[3:]} not implemented")
         dbase, doff = dec.address(st.operands[0])
         tmap, coords = _tensor_operand(dec, st.operands[1])
         bbase, boff = dec.address(st.operands[2])
+        ctas = dec.src(st.operands[3], np.uint16) if multicast else None
 
         def tma_load(w, mask):
-            a = state(w.block)
             dsts = np.broadcast_to(dbase(w.r) + doff, (LANES,))
             bars = np.broadcast_to(bbase(w.r) + boff, (LANES,))
+            masks = np.broadcast_to(ctas(w.r), (LANES,)) if multicast else None
             for lane, m, x, y in _issued(w, mask, tmap, coords, what):
-                bar = int(bars[lane])
-                _tma_load(w, a, m, int(dsts[lane]) & 0xFFFFFFFF, x, y, bar, a.barrier(bar, what), int(w.tids[lane]),
-                          what)
-            a.epoch += 1
+                dst, bar = int(dsts[lane]) & 0xFFFFFFFF, int(bars[lane])
+                if multicast:  # the box into every CTA the mask names, at the same addresses
+                    blocks = w.block.cluster.blocks if w.block.cluster is not None else [w.block]
+                    bits = int(masks[lane])
+                    if bits >> len(blocks):
+                        raise InterpError(f"{what}: a multicast mask {bits:#x} names CTAs past the cluster's "
+                                          f"{len(blocks)}")
+                    targets = [(blocks[r], dst, bar) for r in range(len(blocks)) if bits >> r & 1]
+                else:
+                    into, local = _peer(w, dst, what)
+                    targets = [(into, local, bar)]
+                for into, at, bar_at in targets:
+                    a = state(into)
+                    _tma_load(w, a, m, at, x, y, bar_at, a.barrier(bar_at, what), int(w.tids[lane]), what, into)
+                    a.epoch += 1
+            state(w.block).epoch += 1
         return tma_load
     if q[1] == "global" and q[2] == "shared::cta":
         if [p for p in q[3:] if p not in ("tile", "bulk_group")]:
@@ -316,8 +399,10 @@ def _in_tensor(m: _Map, x: int, y: int) -> tuple[np.ndarray, np.ndarray, np.ndar
 
 
 def _tma_load(w, a: AsyncState, m: _Map, dst: int, x: int, y: int, bar_addr: int, bar: Barrier, tid: int,
-              what: str) -> None:
-    glob, sh = w.block.glob, w.block.shared
+              what: str, into=None) -> None:
+    """The box at (x, y) into the shared memory of block `into` (the warp's own where None) at dst, its bytes
+    completed on that block's mbarrier bar (its AsyncState a)."""
+    glob, sh = w.block.glob, (into or w.block).shared
     span = m.box[0] * m.size
     if m.swizzle and dst % (8 * span):
         raise InterpError(f"{what}: a TMA copy under a {m.swizzle}-byte swizzle into shared address {dst:#x}, not "
@@ -633,10 +718,6 @@ def _trap(dec: Decoder, st, parts):
     return fn
 
 
-def _unmodeled(dec: Decoder, st, parts):
-    raise UnknownInstruction(f"{parts[0]}: clusters are not modeled here (run cluster 1 on the interpreter)")
-
-
 def _mov(dec: Decoder, st, parts):
     """mov of %globaltimer (a clock the interpreter advances) or of a parameter's address (a tensor map's, which
     cvta.param makes generic); every other mov is alu's."""
@@ -665,5 +746,5 @@ def _cvta(dec: Decoder, st, parts):
 
 
 BUILDERS = {"mbarrier": _mbarrier, "wgmma": _wgmma, "fence": _fence, "setmaxnreg": _setmaxnreg,
-            "stmatrix": _stmatrix, "prefetch": _prefetch, "trap": _trap, "mapa": _unmodeled, "mov": _mov,
+            "stmatrix": _stmatrix, "prefetch": _prefetch, "trap": _trap, "mapa": _mapa, "mov": _mov,
             "cvta": _cvta}

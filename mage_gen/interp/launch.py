@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mage_gen.interp.decode import decode
-from mage_gen.interp.errors import InterpError
+from mage_gen.interp.errors import InterpError, UnknownInstruction
 from mage_gen.interp.hopper import AsyncState, HangError, TensorMap
 from mage_gen.interp.memory import Global, Shared, Visibility
 from mage_gen.interp.program import LANES, Program
@@ -43,10 +43,57 @@ def describe_thread(tid: int, ntid, ctaid) -> str:
     return f"thread ({x},{y},{z}) of block ({ctaid[0]},{ctaid[1]},{ctaid[2]})"
 
 
+class Cluster:
+    """The CTAs of one thread-block cluster, run together (their warps interleaved): each reaches the others'
+    shared memory and mbarriers (mapa, multicast copies, remote arrivals), and barrier.cluster holds every warp of
+    them until all have arrived."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.blocks: list[Block] = []
+        self.phase = 0  # barrier.cluster phases completed
+
+    def settle(self) -> bool:
+        """Completes the barrier's phase once every warp still running has arrived; whether it did."""
+        live = [w for b in self.blocks for w in b.warps if not w.done]
+        if not live or any(w.cluster_arrived != self.phase for w in live):
+            return False
+        self.phase += 1
+        for b in self.blocks:
+            b.asyncs.epoch += 1
+        return True
+
+    def run(self, stats: Stats) -> None:
+        """Every block's warps in turn, as Block.run does for one, until all have exited; a hang where none can go
+        on."""
+        while True:
+            ran = released = False
+            for b in self.blocks:
+                ran |= b.step()
+                released |= b._release(stats)
+            released |= self.settle()
+            if all(w.done for b in self.blocks for w in b.warps):
+                break
+            if not ran and not released:
+                raise HangError("every warp of the cluster of blocks "
+                                f"{', '.join(str(b.ctaid) for b in self.blocks)} waits and nothing it waits for can "
+                                "happen: " + "; ".join(b._wait_of(w) for b in self.blocks for w in b.warps
+                                                        if not w.done))
+        for b in self.blocks:
+            for w in b.warps:
+                stats.warp_steps += w.steps
+
+
 class Block:
     def __init__(self, prog: Program, glob: Global, params: bytes, shared_bytes: int,
-                 ctaid: tuple[int, int, int], ntid: tuple[int, int, int], nctaid: tuple[int, int, int]):
+                 ctaid: tuple[int, int, int], ntid: tuple[int, int, int], nctaid: tuple[int, int, int],
+                 cluster: Cluster | None = None):
         self.prog, self.glob, self.params, self.ctaid, self.ntid = prog, glob, params, ctaid, ntid
+        self.cluster = cluster
+        self.rank = 0
+        if cluster is not None:
+            self.rank = len(cluster.blocks)
+            cluster.blocks.append(self)
         self.shared = Shared(shared_bytes)
         self.asyncs = AsyncState(self.shared.words.size) if prog.async_proxy else None
         n = ntid[0] * ntid[1] * ntid[2]
@@ -63,25 +110,32 @@ class Block:
                 **{f"%ntid.{a}": np.full(LANES, ntid[i]) for i, a in enumerate("xyz")},
                 **{f"%ctaid.{a}": np.full(LANES, ctaid[i]) for i, a in enumerate("xyz")},
                 **{f"%nctaid.{a}": np.full(LANES, nctaid[i]) for i, a in enumerate("xyz")},
+                "%cluster_ctarank": np.full(LANES, self.rank),
+                "%cluster_nctarank": np.full(LANES, 1 if cluster is None else cluster.size),
             }
             self.warps.append(Warp(self, prog, w, tids, specials))
 
     def describe(self, tid: int) -> str:
         return describe_thread(tid, self.ntid, self.ctaid)
 
+    def step(self) -> bool:
+        """Each warp that can go on runs until it waits or exits; whether any ran."""
+        ran = False
+        for w in self.warps:
+            if w.done or w.barrier is not None:
+                continue
+            if w.waiting is not None and w.waiting[2] == self._epoch():
+                continue  # nothing it could be waiting for has happened since it last tried
+            w.run()
+            ran = True
+        return ran
+
     def run(self, stats: Stats) -> None:
         """The warps in turn, each until it waits (a barrier, an mbarrier phase) or exits; a barrier lets its warps
         go once all it waits for are there; a warp whose mbarrier wait failed runs again once something changed.
         Where nothing can change any more, the block hangs (HangError)."""
         while True:
-            ran = False
-            for w in self.warps:
-                if w.done or w.barrier is not None:
-                    continue
-                if w.waiting is not None and w.waiting[2] == self._epoch():
-                    continue  # nothing it could be waiting for has happened since it last tried
-                w.run()
-                ran = True
+            ran = self.step()
             released = self._release(stats)
             if all(w.done for w in self.warps):
                 break
@@ -139,6 +193,9 @@ class Block:
         if w.waiting[0] == "wgmma":
             return (f"warp {w.index} (from {first}) at a wgmma.wait_group for its warpgroup's group "
                     f"{w.waiting[1]}, which another of its warps has not issued")
+        if w.waiting[0] == "cluster":
+            return (f"warp {w.index} (from {first}) at barrier.cluster.wait for phase {w.waiting[1]}, which a warp of "
+                    "the cluster has not arrived at")
         addr, parity, _ = w.waiting
         bar = self.asyncs.barriers[addr]
         return (f"warp {w.index} (from {first}) on the mbarrier at {addr:#x} for parity {parity} "
@@ -181,16 +238,23 @@ def _params(prog: Program, args: list) -> tuple[bytes, list[np.ndarray]]:
 
 
 def run(ptx: str, entry: str, grid, block, dynamic_shared: int, args: list, stats: Stats | None = None,
-        reverse: bool = False) -> Stats:
+        reverse: bool = False, cluster=1) -> Stats:
     """Execute one launch of `entry`. args in PTX parameter order: numpy arrays for pointer parameters
     (C-contiguous; every array is copied back after the launch, so outputs land in place) and Python
     ints/floats for scalars. Raises an InterpError subclass for anything undefined or unsupported.
     Counts into `stats` where given. The blocks run one after another, in the order of their index, or with
-    `reverse` the other way round: what a kernel computes must not depend on which block comes first."""
+    `reverse` the other way round: what a kernel computes must not depend on which block comes first. cluster:
+    CTAs per thread-block cluster along x; a cluster's blocks run together (Cluster), the clusters one after
+    another."""
     prog = decode(ptx, entry)
-    grid, block = _dim3(grid), _dim3(block)
+    grid, block, cluster = _dim3(grid), _dim3(block), _dim3(cluster)
     if block[0] * block[1] * block[2] > 1024 or min(block) < 1 or min(grid) < 1:
         raise InterpError(f"launch of {grid} blocks × {block} threads is not valid")
+    if cluster[1:] != (1, 1) or grid[0] % cluster[0]:
+        raise InterpError(f"a cluster of {cluster} CTAs: clusters along x that divide the grid's {grid[0]} are modeled")
+    if cluster[0] > 1 and prog.cross_block:
+        raise UnknownInstruction("fences and atomics across blocks inside clusters are not modeled (blocks of a "
+                                 "cluster run together, others one after another)")
     params, glob = _params(prog, args)
     dyn_base = -(-prog.static_shared // prog.dynamic_align) * prog.dynamic_align
     shared_bytes = (dyn_base + dynamic_shared) if dynamic_shared else prog.static_shared
@@ -199,11 +263,17 @@ def run(ptx: str, entry: str, grid, block, dynamic_shared: int, args: list, stat
     glob.describe_owner = lambda owner: describe_thread(owner % n, block, _split3(owner // n, grid))
     if prog.cross_block:
         glob.visibility = Visibility(n * grid[0] * grid[1] * grid[2], glob.words.size)
-    order = [(x, y, z) for z in range(grid[2]) for y in range(grid[1]) for x in range(grid[0])]
+    order = [(x, y, z) for z in range(grid[2]) for y in range(grid[1]) for x in range(0, grid[0], cluster[0])]
     with np.errstate(all="ignore"):
-        for ctaid in reversed(order) if reverse else order:
-            Block(prog, glob, params, shared_bytes, ctaid, block, grid).run(stats)
-            stats.blocks += 1
+        for first in reversed(order) if reverse else order:
+            if cluster[0] == 1:
+                Block(prog, glob, params, shared_bytes, first, block, grid).run(stats)
+            else:
+                together = Cluster(cluster[0])
+                for x in range(first[0], first[0] + cluster[0]):
+                    Block(prog, glob, params, shared_bytes, (x, *first[1:]), block, grid, together)
+                together.run(stats)
+            stats.blocks += cluster[0]
     glob.copy_back()
     stats.kept_lines += len(glob.kept)
     return stats

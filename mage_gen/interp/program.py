@@ -21,7 +21,7 @@ DTYPES = {"pred": np.bool_, "b8": np.uint8, "u8": np.uint8, "s8": np.int8, "b16"
           "s32": np.int32, "f32": np.float32, "bf16x2": np.uint32, "f16x2": np.uint32, "tf32": np.uint32, "b64": np.uint64,
           "u64": np.uint64, "s64": np.int64, "f64": np.float64}
 SPECIALS = ("%tid.x", "%tid.y", "%tid.z", "%ntid.x", "%ntid.y", "%ntid.z", "%ctaid.x", "%ctaid.y", "%ctaid.z",
-            "%nctaid.x", "%nctaid.y", "%nctaid.z", "%laneid", "%warpid")
+            "%nctaid.x", "%nctaid.y", "%nctaid.z", "%laneid", "%warpid", "%cluster_ctarank", "%cluster_nctarank")
 LANES = 32
 CONST_GENERIC_BASE = 0x7C00_0000_0000  # address of the module's first .const byte
 

@@ -47,6 +47,7 @@ class Warp:
         self.retry: tuple | None = None  # an instruction that cannot go on yet (what it waits for): run again later
         self.bulk_open: dict[int, list] = {}
         self.bulk_groups: dict[int, list[list]] = {}
+        self.cluster_arrived: int | None = None  # the barrier.cluster phase it arrived at, not yet waited for
 
     # ---- register writes ----
     def put(self, d: int, value: np.ndarray, m) -> None:
