@@ -16,11 +16,12 @@ from hypothesis import strategies as st
 
 from drawn import gate_a_drawn_gemm_on_the_interpreter  # tests/drawn.py
 from mage_gen import interp
+from mage_gen.compile import compile_source
 from mage_gen.dtypes import BFLOAT16
 from mage_gen.errors import ConfigError
 from mage_gen.ops import get_op
 from mage_gen.ops.base import launch_args
-from mage_gen.ops.gemm_sm90 import counters, workspace_floats
+from mage_gen.ops.gemm_sm90 import SPLIT_SUMS, counters, workspace_floats
 from mage_gen.resources import data_dir
 from mage_gen.space import load_space
 from mage_gen.store import is_current
@@ -63,7 +64,20 @@ def test_split_k_is_an_axis_of_the_space_and_searched_only_where_m_is_small():
     (4096, {"split_k": 0}, "split-k: split_k is 1 (no split) to 16 slices of K, got 0"),
     (4096, {"split_k": 17}, "split-k: split_k is 1 (no split) to 16 slices of K, got 17"),
     (129, {"split_k": 4}, "split-k: split_k=4 slices need a 64-deep step of K each, and K=129 has 3; use split_k ≤ 3"),
-    (4096, {"plant": "split_reset"}, "plant: split_reset is a bug of the split-K reduction: plant it with split_k > 1"),
+    (4096, {"plant": "split_reset"}, "plant: split_reset is a bug of the split-K reduction through the workspace: "
+                                      "plant it with split_k > 1 and split_sum global"),
+    (4096, {"plant": "split_fence", "split_k": 2, "split_sum": "cluster"},
+     "plant: split_fence is a bug of the split-K reduction through the workspace: plant it with split_k > 1 and "
+     "split_sum global"),
+    (4096, {"split_sum": "dsmem"}, "split-sum: split_sum is one of ('global', 'cluster'), got 'dsmem'"),
+    (4096, {"split_k": 3, "split_sum": "cluster"}, "split-sum: split_sum cluster makes a tile's slices one cluster's "
+     "CTAs, a CTA each: it takes split_k 2, 4 or 8, cluster 1, grid 0 and cooperative consumers, got split_k 3, "
+     "cluster 1, grid 0, cooperative"),
+    (4096, {"split_k": 2, "split_sum": "cluster", "grid": 132}, "split-sum: split_sum cluster makes a tile's slices "
+     "one cluster's CTAs, a CTA each: it takes split_k 2, 4 or 8, cluster 1, grid 0 and cooperative consumers, got "
+     "split_k 2, cluster 1, grid 132, cooperative"),
+    (4096, {"split_k": 2, "split_sum": "cluster", "bm": 128, "bn": 256, "stages": 2},
+     "split-sum: split_sum cluster keeps a 128×256 fp32 partial in the stages' 98304 bytes: use more stages"),
 ])
 def test_rules_refuse_a_split_that_cannot_be_built_with_a_line_naming_the_rule(k, values, rule):
     with pytest.raises(ConfigError, match="^" + re.escape(rule) + "$"):
@@ -229,3 +243,58 @@ def test_inspect_lists_a_split_kernels_atomics_and_fences():
     table = mage_gen("inspect", "gemm_sm90", "--m", "16", "--n", "4096", "--k", "4096", "--config",
                      "bm=64,bn=64,consumers=1,split_k=2")
     assert table.returncode == 0 and "atomics" in table.stdout, table.stderr
+
+
+# ---- split_sum cluster: a tile's slices are one cluster's CTAs, summed in distributed shared memory ----
+
+@pytest.mark.parametrize("shape, values", [
+    (dict(m=20, n=136, k=300), {"bm": 64, "bn": 64, "consumers": 1, "split_k": 2}),
+    (dict(m=129, n=136, k=520, c_dtype="fp32"), {"split_k": 4, "stages": 4}),
+    (dict(m=129, n=136, k=520), {"split_k": 4, "stages": 4, "epilogue": "tma", "inflight": 0}),
+    (dict(m=20, n=200, k=300, bias=True, residual=True), {"bm": 64, "bn": 16, "consumers": 1, "swap": True,
+                                                         "split_k": 2, "chains": 2}),
+    (dict(m=70, n=272, k=600, gate="silu"), {"bn": 128, "split_k": 8, "stages": 6}),
+    (dict(m=33, n=136, k=520, b_layout="kn"), {"bm": 64, "bn": 128, "consumers": 1, "split_k": 2}),
+    (dict(m=17, n=130, k=700, precision="e4m3"), {"bm": 64, "bn": 32, "consumers": 1, "split_k": 2}),
+])
+def test_a_split_summed_in_a_cluster_gives_the_bits_of_the_split_summed_through_the_workspace(shape, values):
+    shape = OP.shape(**shape)
+    through = {s: build(OP, shape, OP.params_from_dict({**values, "split_sum": s}), "sm_90") for s in SPLIT_SUMS}
+    inputs = OP.make_inputs(shape, {}, np.random.default_rng(5))
+    outs = {s: interp.launch_with(OP, shape, v, {}, inputs)["C"] for s, v in through.items()}
+    assert np.array_equal(outs["global"].view(np.uint8), outs["cluster"].view(np.uint8))
+    clustered = through["cluster"]
+    assert interp.gate(OP, shape, clustered, {}, np.random.default_rng(6)).passed  # both block orders
+    # a cluster of split_k CTAs a tile, no workspace, counters, gpu-scope fence or atomic
+    launch = OP.geometry(shape, clustered.params, {})
+    assert launch.cluster == (values["split_k"], 1, 1) and launch.grid == OP.geometry(shape, through["global"].params,
+                                                                                      {}).grid
+    assert [a.kind for a in launch_args(OP, shape, clustered.params)].count("scratch") == 0
+    assert clustered.source.kernel_name == through["global"].source.kernel_name.replace(
+        f"_k{values['split_k']}", f"_k{values['split_k']}c")
+    assert "fence.acq_rel.gpu" not in clustered.compiled.ptx and "atom." not in clustered.compiled.ptx
+
+
+@pytest.mark.parametrize("which, caught", [
+    (2, "not the same bits with the blocks run in the reverse order"),  # the partials' cluster barrier
+    (3, "which has exited"),  # the last one: a peer left before CTA 0 read its partial
+])
+def test_the_interpreter_catches_a_cluster_sum_s_missing_barrier(which, caught):
+    shape = OP.shape(m=129, n=136, k=520)
+    variant = build(OP, shape, OP.params_from_dict({"split_k": 4, "stages": 4, "split_sum": "cluster"}), "sm_90")
+    sync = 'asm volatile("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;" ::: "memory");'
+    text = variant.source.text
+    at = -1
+    for _ in range(which):
+        at = text.index(sync, at + 1)
+    source = dataclasses.replace(variant.source, text=text[:at] + text[at + len(sync):])
+    broken = dataclasses.replace(variant, compiled=compile_source(source, "sm_90a"))
+    result = interp.gate(OP, shape, broken, {}, np.random.default_rng(0))
+    assert not result.passed and caught in result.reason, result.reason
+
+
+def test_the_skinny_preset_keeps_the_workspace_sum_until_a_probe_measures_the_cluster_s():
+    shape = OP.shape(m=16, n=4096, k=4096)
+    assert dict(load_space(OP, "skinny", shape).axes)["split_sum"] == ("global",)
+    assert "split_sum = [\"global\", \"cluster\"]" in (data_dir("search") / "gemm_sm90.toml").read_text()
+

@@ -173,8 +173,9 @@ def test_split_k_at_m_16_is_timed_through_a_captured_graph(device):
     assert evaluation.hot is not None and evaluation.hot.median_us > 0
 
 
-# Swapped operands, fp8 (per-tensor and block scales), chains and stream K: the gate's random inputs against float64 within the
-# tolerance e4m3's precision and K give (ops/gemm_sm90.py tolerance_of), at each tail shape
+# Swapped operands, fp8 (per-tensor and block scales), chains, stream K and split K summed in a cluster: the gate's random
+# inputs against float64 within the tolerance e4m3's precision and K give (ops/gemm_sm90.py tolerance_of), at each tail
+# shape
 SWAPPED_AND_FP8 = [("bf16", {"bm": 64, "bn": 16, "consumers": 1, "swap": True}),
                    ("bf16", {"bm": 64, "bn": 32, "consumers": 1, "swap": True, "split_k": 2}),
                    ("bf16", {"bm": 128, "bn": 16, "schedule": "pingpong", "swap": True}),
@@ -194,7 +195,12 @@ SWAPPED_AND_FP8 = [("bf16", {"bm": 64, "bn": 16, "consumers": 1, "swap": True}),
                    ("bf16", {"stream_k": True, "bn": 256, "stages": 3, "epilogue": "tma"}),
                    ("bf16", {"stream_k": True, "schedule": "pingpong", "epilogue": "tma"}),
                    ("bf16", {"stream_k": True, "bm": 64, "bn": 32, "consumers": 1, "swap": True, "stages": 8}),
-                   ("e4m3", {"stream_k": True, "bm": 64, "bn": 128, "consumers": 1, "stages": 8})]
+                   ("e4m3", {"stream_k": True, "bm": 64, "bn": 128, "consumers": 1, "stages": 8}),
+                   # split K summed in a cluster's distributed shared memory
+                   ("bf16", {"bm": 64, "bn": 128, "consumers": 1, "stages": 8, "split_k": 4, "split_sum": "cluster"}),
+                   ("bf16", {"split_k": 2, "split_sum": "cluster", "epilogue": "tma"}),
+                   ("bf16", {"bm": 64, "bn": 16, "consumers": 1, "swap": True, "split_k": 8, "split_sum": "cluster"}),
+                   ("e4m3", {"bm": 64, "bn": 128, "consumers": 1, "split_k": 2, "split_sum": "cluster"})]
 
 
 @pytest.mark.parametrize("precision, values", SWAPPED_AND_FP8,

@@ -80,10 +80,12 @@ def worst_error(op, shape: Any, variant: Any, run_sizes: dict[str, int], rng: np
 
 def gate(op, shape: Any, variant: Any, run_sizes: dict[str, int], rng: np.random.Generator) -> GateResult:
     """measure.gate's verdict, on the CPU: a fault the interpreter catches fails the gate with its message. A kernel
-    with working buffers (blocks that combine their results through them) runs a second time with its blocks in
-    the reverse order, and must write the same bits: which block finishes first must not change the result."""
+    with working buffers (blocks that combine their results through them), or launched in clusters (whose CTAs
+    reach each other's shared memory), runs a second time with its blocks in the reverse order, and must write the
+    same bits: which block finishes first must not change the result."""
     errors: dict[str, float] = {}
-    combines = any(arg.kind in WORKING_KINDS for arg in launch_args(op, shape, variant.params))
+    combines = (any(arg.kind in WORKING_KINDS for arg in launch_args(op, shape, variant.params))
+                or op.geometry(shape, variant.params, run_sizes).cluster != (1, 1, 1))
     for gate_run in op.gate_runs(shape, run_sizes, variant.params):
         key = ",".join(f"{k}={v}" for k, v in gate_run.items()) or "fixed"
         try:

@@ -144,7 +144,7 @@ class AsyncState:
         self.landed_bar[idx] = -1
 
 
-def _peer(w, addr: int, what: str):
+def peer(w, addr: int, what: str):
     """(the block, its own shared address) a shared::cluster address names: the warp's own block below
     CLUSTER_WINDOW, else the cluster's CTA of that rank (mapa)."""
     if addr < CLUSTER_WINDOW:
@@ -153,6 +153,9 @@ def _peer(w, addr: int, what: str):
     blocks = w.block.cluster.blocks if w.block.cluster is not None else [w.block]
     if rank >= len(blocks):
         raise InterpError(f"{what}: shared::cluster address {addr:#x} names CTA {rank} of a cluster of {len(blocks)}")
+    if all(x.done for x in blocks[rank].warps):  # its shared memory went with it
+        raise InterpError(f"{what}: {w.block.describe(int(w.tids[w.live][0]))} reaches the shared memory of CTA "
+                          f"{rank} of its cluster, which has exited")
     return blocks[rank], local
 
 
@@ -266,7 +269,7 @@ def _mbarrier(dec: Decoder, st, parts):
             addrs = np.broadcast_to(base(w.r) + off, (LANES,))[sel].tolist()
             bytes_ = np.broadcast_to(tx(w.r), (LANES,))[sel].tolist() if tx is not None else [0] * len(addrs)
             for addr, nbytes in zip(addrs, bytes_):
-                block, addr = _peer(w, int(addr), what) if remote else (w.block, addr)
+                block, addr = peer(w, int(addr), what) if remote else (w.block, addr)
                 a = state(block)
                 a.epoch += 1
                 bar = a.barrier(addr, what)
@@ -356,7 +359,7 @@ def _cp_bulk_tensor(dec: Decoder, st, parts):
                                           f"{len(blocks)}")
                     targets = [(blocks[r], dst, bar) for r in range(len(blocks)) if bits >> r & 1]
                 else:
-                    into, local = _peer(w, dst, what)
+                    into, local = peer(w, dst, what)
                     targets = [(into, local, bar)]
                 for into, at, bar_at in targets:
                     a = state(into)

@@ -63,12 +63,12 @@ class Cluster:
             b.asyncs.epoch += 1
         return True
 
-    def run(self, stats: Stats) -> None:
-        """Every block's warps in turn, as Block.run does for one, until all have exited; a hang where none can go
-        on."""
+    def run(self, stats: Stats, reverse: bool = False) -> None:
+        """Every block's warps in turn, as Block.run does for one, until all have exited (with `reverse`, the last
+        rank's first); a hang where none can go on."""
         while True:
             ran = released = False
-            for b in self.blocks:
+            for b in reversed(self.blocks) if reverse else self.blocks:
                 ran |= b.step()
                 released |= b._release(stats)
             released |= self.settle()
@@ -245,7 +245,7 @@ def run(ptx: str, entry: str, grid, block, dynamic_shared: int, args: list, stat
     Counts into `stats` where given. The blocks run one after another, in the order of their index, or with
     `reverse` the other way round: what a kernel computes must not depend on which block comes first. cluster:
     CTAs per thread-block cluster along x; a cluster's blocks run together (Cluster), the clusters one after
-    another."""
+    another, and with `reverse` a cluster's last rank goes first at every turn."""
     prog = decode(ptx, entry)
     grid, block, cluster = _dim3(grid), _dim3(block), _dim3(cluster)
     if block[0] * block[1] * block[2] > 1024 or min(block) < 1 or min(grid) < 1:
@@ -272,7 +272,7 @@ def run(ptx: str, entry: str, grid, block, dynamic_shared: int, args: list, stat
                 together = Cluster(cluster[0])
                 for x in range(first[0], first[0] + cluster[0]):
                     Block(prog, glob, params, shared_bytes, (x, *first[1:]), block, grid, together)
-                together.run(stats)
+                together.run(stats, reverse)
             stats.blocks += cluster[0]
     glob.copy_back()
     stats.kept_lines += len(glob.kept)

@@ -15,7 +15,7 @@ from mage_gen.interp.alu import TYPES, type_of
 from mage_gen.interp.errors import DivergenceError, InterpError, UnknownInstruction
 from mage_gen.interp.program import CONST_GENERIC_BASE, DTYPES, LANES, Decoder, parse_int
 
-_SPACES = {"global", "shared", "shared::cta", "param", "local", "const"}
+_SPACES = {"global", "shared", "shared::cta", "shared::cluster", "param", "local", "const"}
 _IGNORED = re.compile(r"^(nc|ca|cg|cs|lu|cv|wb|wt|weak|volatile|relaxed|cta|gpu|sys|L1::\w+|L2::(64B|128B|256B)"
                       r"|v2|v4)$")
 

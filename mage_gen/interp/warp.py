@@ -98,6 +98,8 @@ class Warp:
         return [("shared", local[sh], _sub(sel, sh), sh), ("global", addr[~sh], _sub(sel, ~sh), ~sh)]
 
     def load(self, space: str, addr, nwords: int, sel, what: str) -> np.ndarray:
+        if space == "shared::cluster":
+            return self._load_cluster(addr, nwords, sel, what)
         parts = self._spaces(space, addr, sel)
         out = np.empty((len(addr), nwords), dtype=np.uint32) if len(parts) > 1 else None
         b = self.block
@@ -110,6 +112,20 @@ class Warp:
             if lanes is None:
                 return values
             out[lanes] = values
+        return out
+
+    def _load_cluster(self, addr, nwords: int, sel, what: str) -> np.ndarray:
+        """Each lane's words from the shared memory of the cluster's CTA its address names (hopper.peer: mapa's
+        window), as they are: a word its CTA has not written yet reads as the poison NaN. A peer's reads are not
+        entered in its race bookkeeping, which follows its own threads."""
+        from mage_gen.interp.hopper import peer
+
+        tids = self.tids[sel]
+        out = np.empty((len(addr), nwords), dtype=np.uint32)
+        for i, a in enumerate(np.asarray(addr).tolist()):
+            block, local = peer(self, int(a), what)
+            idx = block.shared.index(np.array([local]), nwords, tids[i:i + 1], self.block.describe, what)
+            out[i] = block.shared.words[idx[0]]
         return out
 
     def store(self, space: str, addr, values: np.ndarray, sel, what: str) -> None:

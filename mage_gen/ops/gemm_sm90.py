@@ -25,6 +25,11 @@ counts itself in on the tile's counter (a release); the last to arrive sums the 
 0 first, whichever unit it is (the result does not depend on the order the units finish in), stores C and sets
 the counter back to zero. The workspace (`workspace_floats`) and the counters (`counters`, zero on entry and left
 zero) are kernel arguments after B (launch_args); with split_k 1 the kernel is the one it was before.
+`split_sum` cluster sums the slices in distributed shared memory instead: a tile's split_k units are one cluster's
+CTAs (rank = slice, a CTA per unit); each stores its partial into its own stages (all consumed by then), the cluster
+meets at a barrier, and CTA 0 reads the others' partials (ld.shared::cluster) and sums them in slice order, the same
+sums in the same order as through the workspace, with no workspace, counters, gpu-scope fence or atomic; a second
+cluster barrier at the end keeps every CTA's shared memory until CTA 0 has read it.
 
 `stream_k` deals every tile's BK steps evenly over the persistent grid's CTAs (CTA c takes steps c·I/G to
 (c+1)·I/G − 1 of all I, tile after tile), so that no CTA idles through a last, partial wave; a CTA's share may begin
@@ -94,6 +99,7 @@ CHAINS = (1, 2, 4)
 # release fence
 PLANTED_BUGS = ("", "swizzle", "sbo", "phase", "proxy_fence", "split_reset", "split_order", "split_fence")
 SPLIT_PLANTS = ("split_reset", "split_order", "split_fence")
+SPLIT_SUMS = ("global", "cluster")  # where split K's partials meet: a workspace, or a cluster's shared memory
 MAX_SPLIT_K = 16
 _HIDDEN = frozenset({"plant", "watchdog_ms", "stamps"})
 # stamps (a probe's, bench/probes/gemm_sm90_timeline.py): the first STAMP_CTAS CTAs each record STAMP_SLOTS words in
@@ -171,6 +177,7 @@ class Params:
     epilogue: str = "direct"
     grid: int = 0  # CTAs of the persistent grid, at most one per tile; 0: one per tile
     split_k: int = 1  # slices of K a tile is split into, each a unit of work; their partials summed in order
+    split_sum: str = "global"  # where the slices' partials meet: a workspace in global memory, or a cluster's shared
     stream_k: bool = False  # every tile's K steps dealt evenly over the grid's CTAs, pieces summed in CTA order
     # the kernel computes Cᵀ = B·Aᵀ: its m64 slabs run over N and wgmma's N over M (a few tokens), C stored transposed
     swap: bool = False
@@ -189,7 +196,9 @@ class Params:
                 + (f"{self.group}" if self.order == "grouped" else "") + f" r{self.producer_regs} f{self.inflight}"
                 + (f" chains{self.chains}" if self.chains > 1 else "")
                 + f" {self.epilogue}" + (f" grid≤{self.grid}" if self.grid else "")
-                + (f" split{self.split_k}" if self.split_k > 1 else "") + (" stream-k" if self.stream_k else "")
+                + (f" split{self.split_k}" if self.split_k > 1 else "")
+                + (" in a cluster" if self.split_k > 1 and self.split_sum == "cluster" else "")
+                + (" stream-k" if self.stream_k else "")
                 + (" swap" if self.swap else "")
                 + (f" PLANTED {self.plant}" if self.plant else ""))
 
@@ -245,7 +254,17 @@ def _workspace_tiles(shape: Shape, p: Params) -> tuple[int, int]:
 
 def reduces(p: Params) -> bool:
     """Whether a tile may be computed in pieces summed through the workspace (split K or stream K)."""
-    return p.split_k > 1 or p.stream_k
+    return (p.split_k > 1 and not cluster_sum(p)) or p.stream_k
+
+
+def cluster_sum(p: Params) -> bool:
+    """Whether a tile's split-K slices are a cluster's CTAs, summed in distributed shared memory."""
+    return p.split_k > 1 and p.split_sum == "cluster"
+
+
+def launch_cluster(p: Params) -> int:
+    """CTAs in a cluster: the tiles that share a copy (cluster), or a tile's slices summed together."""
+    return p.split_k if cluster_sum(p) else p.cluster
 
 
 def stream_ctas(shape: Shape, p: Params) -> int:
@@ -258,7 +277,7 @@ def workspace_floats(shape: Shape, p: Params) -> int:
     tiles per CTA (its first piece and its last); 0 otherwise."""
     if p.stream_k:
         return 2 * stream_ctas(shape, p) * p.bm * p.bn
-    if p.split_k == 1:
+    if not reduces(p):
         return 0
     rows, cols = _workspace_tiles(shape, p)
     return p.split_k * rows * cols * p.bm * p.bn
@@ -486,9 +505,21 @@ _RULES: tuple[Rule, ...] = (
     Rule("stream-k", lambda s, p: not p.stream_k or (p.split_k == 1 and p.cluster == 1 and p.grid > 0),
          lambda s, p: f"stream_k deals K steps over a persistent grid of single CTAs: it takes split_k 1, cluster 1 and "
                       f"a grid, got split_k {p.split_k}, cluster {p.cluster}, grid {p.grid}"),
+    Rule("split-sum", lambda s, p: p.split_sum in SPLIT_SUMS,
+         lambda s, p: f"split_sum is one of {SPLIT_SUMS}, got {p.split_sum!r}"),
+    # a cluster holds at most 8 CTAs (portably); each CTA takes one unit, its stages free for its partial by then
+    Rule("split-sum", lambda s, p: not cluster_sum(p) or (p.split_k in (2, 4, 8) and p.cluster == 1 and p.grid == 0
+                                                          and p.schedule == "cooperative"),
+         lambda s, p: "split_sum cluster makes a tile's slices one cluster's CTAs, a CTA each: it takes split_k 2, 4 "
+                      f"or 8, cluster 1, grid 0 and cooperative consumers, got split_k {p.split_k}, cluster "
+                      f"{p.cluster}, grid {p.grid}, {p.schedule}"),
+    Rule("split-sum", lambda s, p: not cluster_sum(p) or p.bm * p.bn * 4 <= p.stages * (p.bm + p.bn) * ROW_BYTES,
+         lambda s, p: f"split_sum cluster keeps a {p.bm}×{p.bn} fp32 partial in the stages' "
+                      f"{p.stages * (p.bm + p.bn) * ROW_BYTES} bytes: use more stages"),
     Rule("plant", lambda s, p: p.plant in PLANTED_BUGS, lambda s, p: f"unknown planted bug {p.plant!r}"),
-    Rule("plant", lambda s, p: p.plant not in SPLIT_PLANTS or p.split_k > 1,
-         lambda s, p: f"{p.plant} is a bug of the split-K reduction: plant it with split_k > 1"),
+    Rule("plant", lambda s, p: p.plant not in SPLIT_PLANTS or reduces(p) and not p.stream_k,
+         lambda s, p: f"{p.plant} is a bug of the split-K reduction through the workspace: plant it with split_k > 1 "
+                      "and split_sum global"),
     Rule("plant", lambda s, p: p.plant != "proxy_fence" or epilogue(s, p) == "tma",
          lambda s, p: "the proxy fence belongs to the TMA store: plant proxy_fence with epilogue tma (and N·size a "
                       "multiple of 16 bytes)"),
@@ -579,7 +610,8 @@ class GemmSm90(OpFamily):
         units = int(np.prod(_units(shape, p))) * p.split_k  # a cluster's CTAs take a unit together
         ctas = stream_ctas(shape, p) if p.stream_k else min(p.grid // p.cluster or units, units) * p.cluster
         return Launch(grid=(ctas, 1, 1), block=(p.threads, 1, 1),
-                      dynamic_shared_bytes=_shared_bytes(shape, p), static_shared_bytes=0, cluster=(p.cluster, 1, 1))
+                      dynamic_shared_bytes=_shared_bytes(shape, p), static_shared_bytes=0,
+                      cluster=(launch_cluster(p), 1, 1))
 
     def launch_formula(self, shape: Shape, p: Params) -> dict[str, Any]:
         launch = self.geometry(shape, p, {})
@@ -621,7 +653,8 @@ class GemmSm90(OpFamily):
                 + (f"_x{p.cluster}" + ("a" if p.multicast == "a" else "") if p.cluster > 1 else "")
                 + f"_{order}_r{p.producer_regs}"
                 f"_f{p.inflight}" + (f"_a{p.chains}" if p.chains > 1 else "")
-                + f"_{epilogue(shape, p)}" + (f"_k{p.split_k}" if p.split_k > 1 else "") + ("_sk" if p.stream_k else "")
+                + f"_{epilogue(shape, p)}" + (f"_k{p.split_k}" if p.split_k > 1 else "") + ("c" if cluster_sum(p) else "")
+                + ("_sk" if p.stream_k else "")
                 + ("_sw" if p.swap else "")
                 + (f"_bug_{p.plant}" if p.plant else "") + ("_stamps" if p.stamps else ""))
 
@@ -667,7 +700,7 @@ class GemmSm90(OpFamily):
             SK_CTAS=stream_ctas(shape, p) if p.stream_k else 0, PART_THREADS=128 if p.schedule == "pingpong" else 128 * p.consumers,
             SPLIT_BARRIER="3 + consumer" if p.schedule == "pingpong" else "3",
             SPLIT_FLAG_AT=p.stages * stage_bytes + c_stage + 16 * p.stages + (16 if p.schedule == "pingpong" else 0),
-            STAMPS=p.stamps, STAMP_CTAS=STAMP_CTAS, STAMP_SLOTS=STAMP_SLOTS,
+            STAMPS=p.stamps, STAMP_CTAS=STAMP_CTAS, STAMP_SLOTS=STAMP_SLOTS, CLUSTER_SUM=cluster_sum(p),
         )
 
     def source(self, shape: Shape, p: Params) -> Source:
