@@ -196,11 +196,13 @@ SWAPPED_AND_FP8 = [("bf16", {"bm": 64, "bn": 16, "consumers": 1, "swap": True}),
                    ("bf16", {"stream_k": True, "schedule": "pingpong", "epilogue": "tma"}),
                    ("bf16", {"stream_k": True, "bm": 64, "bn": 32, "consumers": 1, "swap": True, "stages": 8}),
                    ("e4m3", {"stream_k": True, "bm": 64, "bn": 128, "consumers": 1, "stages": 8}),
-                   # split K summed in a cluster's distributed shared memory
-                   ("bf16", {"bm": 64, "bn": 128, "consumers": 1, "stages": 8, "split_k": 4, "split_sum": "cluster"}),
-                   ("bf16", {"split_k": 2, "split_sum": "cluster", "epilogue": "tma"}),
-                   ("bf16", {"bm": 64, "bn": 16, "consumers": 1, "swap": True, "split_k": 8, "split_sum": "cluster"}),
-                   ("e4m3", {"bm": 64, "bn": 128, "consumers": 1, "split_k": 2, "split_sum": "cluster"})]
+                   # split K summed in a cluster's distributed shared memory (a CTA a slice: grid 0)
+                   ("bf16", {"bm": 64, "bn": 128, "consumers": 1, "stages": 8, "split_k": 4, "split_sum": "cluster",
+                             "grid": 0}),
+                   ("bf16", {"split_k": 2, "split_sum": "cluster", "epilogue": "tma", "grid": 0}),
+                   ("bf16", {"bm": 64, "bn": 16, "consumers": 1, "swap": True, "split_k": 8, "split_sum": "cluster",
+                             "grid": 0}),
+                   ("e4m3", {"bm": 64, "bn": 128, "consumers": 1, "split_k": 2, "split_sum": "cluster", "grid": 0})]
 
 
 @pytest.mark.parametrize("precision, values", SWAPPED_AND_FP8,
