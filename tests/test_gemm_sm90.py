@@ -19,7 +19,7 @@ from mage_gen.compile import compile_source
 from mage_gen.errors import ConfigError
 from mage_gen.ops import get_op
 from mage_gen.ops.gemm_sm90 import STAMP_CTAS, STAMP_SLOTS, consumer_regs, consumer_rows, hilbert_order
-from mage_gen.space import expand, load_space
+from mage_gen.space import expand, load_space, preset_names
 from mage_gen.variants import build, build_all
 
 OP = get_op("gemm_sm90")
@@ -360,12 +360,15 @@ def test_drawn_small_configs_pass_the_gate_on_the_interpreter(data):
 
 def test_the_waves_n_tile_is_worked_out_from_the_sm_count_and_the_shape():
     from mage_gen.ops.gemm_sm90 import wave_tile
-    from mage_gen.space import load_space
 
     decode = OP.shape(m=16, n=4096, k=4096)
     assert wave_tile(decode, 64, 132) == 32  # 128 tiles on 132 SMs, where 64 leaves half of them idle
     assert wave_tile(decode, 64, 66) == 64  # half the SMs: 64 tiles fill them as well as 128 in two waves
     assert wave_tile(OP.shape(m=16, n=4096, k=4096, b_layout="kn"), 64, 132) == 64  # a K×N B takes 64-column boxes
+    # never more waves than 256-wide tiles take: 192 fills one wave at 512×6144 (128 tiles, against 96 of 256);
+    # at 512×57344 every narrower tile takes more than 256's 7 waves (16 fills 109 of them better)
+    assert wave_tile(OP.shape(m=512, n=6144, k=4096), 128, 132) == 192
+    assert wave_tile(OP.shape(m=512, n=57344, k=8192), 128, 132) == 256
     listed = (16, 32, 64, 96, 128, 192, 256)
     assert dict(load_space(OP, "skinny", decode, sms=132).axes)["bn"] == listed  # 32 is listed already
     assert dict(load_space(OP, "skinny", OP.shape(m=16, n=6144, k=4096), sms=132).axes)["bn"] == (*listed, 48)
@@ -671,6 +674,6 @@ def test_stamps_add_a_record_and_leave_the_kernel_s_work_as_it_was(shape, values
 
 
 def test_stamps_are_a_probe_s_switch_outside_every_search_space():
-    for preset in ("quick", "skinny", "full"):
+    for preset in preset_names(OP.name):
         assert "stamps" not in dict(load_space(OP, preset).axes)
     assert "stamps" not in OP.params_to_dict(OP.params_from_dict({}))

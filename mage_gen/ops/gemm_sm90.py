@@ -227,17 +227,23 @@ def _units(shape: Shape, p: Params) -> tuple[int, int]:
 
 
 def wave_tile(shape: Shape, bm: int, sms: int) -> int:
-    """The N tile (a multiple of 16, of 64 for a K×N B, up to 256) whose tiles fill `sms` SMs best: the most tiles
-    per CTA slot over the waves they take, ceil(tiles / sms) (the larger tile on a tie: fewer, longer tiles). At
-    M = 16, N = 4096 on 132 SMs: 32 (128 tiles in one wave of 132, against 64 tiles with 64)."""
+    """The N tile (a multiple of 16, of 64 for a K×N B, up to 256) whose tiles fill `sms` SMs best in no more waves
+    than the widest tile's take: the most tiles per CTA slot over the waves they take, ceil(tiles / sms) (the larger
+    tile on a tie: fewer, longer tiles). At M = 16, N = 4096 on 132 SMs: 32 (128 tiles in one wave of 132, against
+    64 tiles with 64). Where 256-wide tiles take several waves, a narrower tile that fills its more waves better
+    would read every row of A more times for a smaller share of idle SMs (at 512×57344, 16 against 256)."""
     step = 16 if shape.b_layout == "nk" else 64
     tiles_m = -(-shape.m // bm)
 
-    def filled(bn: int) -> float:
-        tiles = tiles_m * -(-shape.n // bn)
-        return tiles / (-(-tiles // sms) * sms)
+    def waves(bn: int) -> int:
+        return -(-tiles_m * -(-shape.n // bn) // sms)
 
-    return max(range(step, 257, step), key=lambda bn: (round(filled(bn), 9), bn))
+    def filled(bn: int) -> float:
+        return tiles_m * -(-shape.n // bn) / (waves(bn) * sms)
+
+    widest = 256 // step * step
+    fewest = [bn for bn in range(step, widest + 1, step) if waves(bn) <= waves(widest)]
+    return max(fewest, key=lambda bn: (round(filled(bn), 9), bn))
 
 
 def _kblocks(shape: Shape) -> int:
