@@ -49,17 +49,18 @@ def test_the_timeline_probe_turns_each_cta_s_clocks_into_spans_at_the_global_tim
     """bench/probes/gemm_sm90_timeline.py: a record of 3 CTAs at 2 GHz (2 cycles a ns), one of which ran no unit."""
     from bench.probes.gemm_sm90_timeline import phases
 
-    stamps = np.zeros((8, 8), np.uint64)
-    #             entry ns,  clocks: entry, copy, full,  loops' end, end,   end ns,        units | SM << 32
-    stamps[0] = [1_000_000, 100, 2100, 6100, 26100, 30100, 1_000_000 + 15_000, 2 | 7 << 32]
-    stamps[1] = [1_000_500, 900, 2900, 4900, 20900, 24900, 1_000_500 + 12_000, 1 | 9 << 32]
-    stamps[2] = [1_000_200, 50, 0, 0, 0, 0, 0, 0]  # no unit: left out
+    stamps = np.zeros((8, 9), np.uint64)
+    #             entry ns,  clocks: entry, copy, full,  loops' end, end,   end ns,        units | SM << 32, met
+    stamps[0] = [1_000_000, 100, 2100, 6100, 26100, 30100, 1_000_000 + 15_000, 2 | 7 << 32, 1700]
+    stamps[1] = [1_000_500, 900, 2900, 4900, 20900, 24900, 1_000_500 + 12_000, 1 | 9 << 32, 1300]
+    stamps[2] = [1_000_200, 50, 0, 0, 0, 0, 0, 0, 90]  # no unit: left out
     got = phases(stamps, 3)
     assert got["ctas_with_units"] == 2 and got["distinct_sms"] == 2 and got["sm_clock_mhz"] == 2000.0
     assert got["units_per_cta"] == {"median": 1.5, "min": 1.0, "max": 2.0}
     assert got["start_after_first_us"] == {"median": 0.25, "min": 0.0, "max": 0.5}
     assert got["end_after_first_start_us"]["max"] == 15.0
-    assert got["setup: entry to the first copy"]["min"] == 1.0
+    assert got["setup: entry to the threads' meeting"] == {"median": 0.5, "min": 0.2, "max": 0.8}
+    assert got["setup: the meeting to the first copy"] == {"median": 0.5, "min": 0.2, "max": 0.8}
     assert got["first stage: copy to consumer 0's first full stage"] == {"median": 1.5, "min": 1.0, "max": 2.0}
     assert got["main loops: first full stage to the last loop's end"]["max"] == 10.0
     assert got["after the loops: sums and stores"]["median"] == 2.0

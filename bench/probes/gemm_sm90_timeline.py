@@ -1,9 +1,10 @@
 """Where a gemm_sm90 launch's time goes, CTA by CTA: each config is built twice, as it is and with `stamps` (every
-CTA records the global timer and its SM's clock at its entry, at the producer's first copy, when consumer 0 first
-finds a stage full, at the end of its last main loop and at its end; ops/gemm_sm90.py). Both are gated; the plain
-one's hot median says what stamping costs, and the stamped one's records, read after a hot launch (the last of a
-graph's back-to-back launches, inputs in L2) and after a cold one (L2 flushed), say how the launch's time divides:
-how late CTAs start, the setup before the first copy, the wait for the first stage, the main loops, and what
+CTA records the global timer and its SM's clock at its entry, when its threads meet after the setup (the CTA's
+barrier, or the cluster's), at the producer's first copy, when consumer 0 first finds a stage full, at the end of
+its last main loop and at its end; ops/gemm_sm90.py). Both are gated; the plain one's hot median says what stamping
+costs, and the stamped one's records, read after a hot launch (the last of a graph's back-to-back launches, inputs
+in L2) and after a cold one (L2 flushed), say how the launch's time divides: how late CTAs start, the setup up to
+the threads' meeting and from it to the first copy, the wait for the first stage, the main loops, and what
 follows them (the split-K or stream-K sum and the epilogue). Clocks are turned into µs at the rate the global timer
 gives over all CTAs together.
 
@@ -31,7 +32,8 @@ from bench.probes.gemm_sm90_configs import parse_config
 
 HOT_REPLAYS = 5
 # what each span of a CTA's record runs from and to: (name, slot from, slot to), slots as ops/gemm_sm90.py writes them
-SPANS = (("setup: entry to the first copy", 1, 2), ("first stage: copy to consumer 0's first full stage", 2, 3),
+SPANS = (("setup: entry to the threads' meeting", 1, 8), ("setup: the meeting to the first copy", 8, 2),
+         ("first stage: copy to consumer 0's first full stage", 2, 3),
          ("main loops: first full stage to the last loop's end", 3, 4), ("after the loops: sums and stores", 4, 5),
          ("the CTA: entry to consumer 0's end", 1, 5))
 

@@ -103,8 +103,9 @@ SPLIT_SUMS = ("global", "cluster")  # where split K's partials meet: a workspace
 MAX_SPLIT_K = 16
 _HIDDEN = frozenset({"plant", "watchdog_ms", "stamps"})
 # stamps (a probe's, bench/probes/gemm_sm90_timeline.py): the first STAMP_CTAS CTAs each record STAMP_SLOTS words in
-# the module's global mg_stamps: when it entered, first copied, first found a stage full, ended its main loops, ended
-STAMP_CTAS, STAMP_SLOTS = 4096, 8
+# the module's global mg_stamps: when it entered, first copied, first found a stage full, ended its main loops, ended,
+# and (the last slot) when its threads had met after the barriers' setup
+STAMP_CTAS, STAMP_SLOTS = 4096, 9
 # A wait on an mbarrier that outlasts this traps: a launch that would hang fails instead
 WATCHDOG_MS = 4000
 
