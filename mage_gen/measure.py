@@ -32,7 +32,7 @@ from mage_gen.dtypes import DType
 from mage_gen.dtypes import dtype as element_type
 from mage_gen.errors import GpuError
 from mage_gen.ops import Op
-from mage_gen.ops.base import WORKING_KINDS, launch_args, tensor_maps, use_product64
+from mage_gen.ops.base import WORKING_KINDS, Operand, Stored, launch_args, tensor_maps, use_product64
 from mage_gen.render import render
 from mage_gen.timing import Timing
 from mage_gen.verdict import GateResult, compare_outputs
@@ -540,14 +540,28 @@ class Placement:
         self._owned.clear()
 
 
-def product_on_gpu(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def product_on_gpu(a: Operand, b: Operand) -> np.ndarray:
     """a @ b in float64 by cuBLAS, through torch (an H200 does about 50 TFLOP/s of it, its host's cores about one),
-    never while a subject is being timed."""
+    never while a subject is being timed. Stored operands cross at their own width and are widened on the GPU."""
     import torch
 
     with timing_lock, torch.no_grad():
-        product = torch.from_numpy(a).cuda() @ torch.from_numpy(b).cuda()
-        return product.cpu().numpy()
+        return (float64_tensor(a, "cuda") @ float64_tensor(b, "cuda")).cpu().numpy()
+
+
+# the integer type of each storage width: torch reads no uint16, and a same-width view keeps the bits
+_SAME_WIDTH_INTS = {1: np.uint8, 2: np.int16, 4: np.int32}
+
+
+def float64_tensor(operand: Operand, device: str) -> Any:
+    """The operand as a float64 torch tensor on `device`; a Stored one widened there from its storage's bits."""
+    import torch
+
+    if not isinstance(operand, Stored):
+        return torch.from_numpy(operand).to(device)
+    values = operand.values
+    bits = torch.from_numpy(values.view(_SAME_WIDTH_INTS[values.dtype.itemsize])).to(device)
+    return bits.view(getattr(torch, operand.dtype.name)).to(torch.float64)
 
 
 def _use_the_gpu_for_large_references() -> None:

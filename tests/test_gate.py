@@ -136,6 +136,28 @@ def test_a_large_float64_product_goes_to_the_installed_one_and_a_small_one_to_nu
     assert np.array_equal(base.product64(a, b), a @ b) and taken == [((4, 5), (5, 6))]
 
 
+def test_stored_operands_are_widened_where_the_product_is_taken_numpy_or_torch_alike():
+    """A reference's operands in their storage, a padded buffer's rows and a transposed view among them: numpy
+    widens them on the host, the installed product (torch's, on the GPU in a bench) from their bits."""
+    torch = pytest.importorskip("torch")
+    from mage_gen.dtypes import BFLOAT16, E4M3, FLOAT16
+    from mage_gen.measure import float64_tensor
+    from mage_gen.ops.base import Stored, product64
+
+    rng = np.random.default_rng(7)
+    codes = rng.integers(0, 256, (6, 9), dtype=np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x38  # e4m3's NaN codes: 1.0 instead
+    held = {BFLOAT16: BFLOAT16.round(rng.standard_normal((6, 9)).astype(np.float32)), E4M3: codes,
+            FLOAT16: rng.standard_normal((6, 9)).astype(np.float16)}
+    for dtype, values in held.items():
+        a, b = Stored(values[:5, :7], dtype), Stored(values[:, :7], dtype).T  # (5, 7) and (7, 6), neither contiguous
+        want = dtype.widen(values[:5, :7]).astype(np.float64) @ dtype.widen(values[:, :7]).astype(np.float64).T
+        assert np.array_equal(product64(a, b), want), dtype.name
+        on_torch = (float64_tensor(a, "cpu") @ float64_tensor(b, "cpu")).numpy()
+        assert on_torch.dtype == np.float64 and np.array_equal(on_torch, want), dtype.name
+    assert float64_tensor(np.eye(2), "cpu").dtype == torch.float64
+
+
 def test_a_subject_is_timed_holding_the_lock_a_reference_on_the_gpu_waits_for(monkeypatch):
     """A gate's reference drawn ahead on another thread must not run on the GPU while a sample is taken."""
     from mage_gen.peers import TorchSubject

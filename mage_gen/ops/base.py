@@ -50,19 +50,50 @@ def fill_rows(rng: np.random.Generator, count: int, length: int,
 # A float64 product of at least this many multiply-adds goes to the product installed with use_product64 where there
 # is one (a second or more on the host's cores at Llama's shapes; measure installs cuBLAS's, through torch)
 LARGE_PRODUCT_FLOPS = 1 << 33
-_large_products: list[Callable[[np.ndarray, np.ndarray], np.ndarray]] = []
 
 
-def product64(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """a @ b for float64 a (M, K) and b (K, N): the references' matrix products. A large one is computed by the
-    product installed with use_product64, if any; the rest, and every one on a host without it, by numpy."""
+@dataclass(frozen=True)
+class Stored:
+    """A matrix operand of a product64 as a kernel reads it: `values` in `dtype`'s storage (a view, rows of a padded
+    buffer or transposed), widened to float64 where the product is taken. A large product's operands then cross to
+    the GPU at their own width and are widened there: widening 70B's gate_up weight (470M elements) to float64 on
+    the host took most of a trial's gate."""
+
+    values: np.ndarray
+    dtype: DType
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+    @property
+    def T(self) -> "Stored":
+        return Stored(self.values.T, self.dtype)
+
+    def float64(self) -> np.ndarray:
+        return self.dtype.widen(self.values).astype(np.float64)
+
+
+Operand = np.ndarray | Stored
+_large_products: list[Callable[[Operand, Operand], np.ndarray]] = []
+
+
+def product64(a: Operand, b: Operand) -> np.ndarray:
+    """a @ b in float64 for a (M, K) and b (K, N), each float64 or Stored: the references' matrix products. A large
+    one is computed by the product installed with use_product64, if any; the rest, and every one on a host without
+    it, by numpy."""
     if _large_products and 2 * a.shape[0] * a.shape[1] * b.shape[1] >= LARGE_PRODUCT_FLOPS:
         return _large_products[-1](a, b)
-    return a @ b
+    return _float64(a) @ _float64(b)
 
 
-def use_product64(product: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> None:
-    """Compute large float64 products (product64) with `product` from now on in this process."""
+def _float64(operand: Operand) -> np.ndarray:
+    return operand.float64() if isinstance(operand, Stored) else operand
+
+
+def use_product64(product: Callable[[Operand, Operand], np.ndarray]) -> None:
+    """Compute large float64 products (product64) with `product` from now on in this process; it takes float64
+    arrays and Stored operands."""
     _large_products[:] = [product]
 
 

@@ -68,8 +68,8 @@ import numpy as np
 
 from mage_gen.dtypes import BFLOAT16, E4M3, FLOAT32, DType
 from mage_gen.errors import ConfigError
-from mage_gen.ops.base import (WAVES, Arg, LazyFunction, Launch, OpFamily, Rule, TensorMapSpec, check_rules, fill_rows,
-                               params_dict, params_from, product64, public_params_from)
+from mage_gen.ops.base import (WAVES, Arg, LazyFunction, Launch, OpFamily, Rule, Stored, TensorMapSpec, check_rules,
+                               fill_rows, params_dict, params_from, product64, public_params_from)
 from mage_gen.render import Source, render
 
 PRECISIONS = ("bf16", "e4m3", "e4m3_block")
@@ -788,17 +788,16 @@ class GemmSm90(OpFamily):
 
     def reference(self, shape: Shape, inputs: dict[str, np.ndarray], scalars: dict[str, int | float]) -> dict[str, np.ndarray]:
         element = shape.element
-        a = element.widen(inputs["A"][:, :shape.k]).astype(np.float64)
+        a = Stored(inputs["A"][:, :shape.k], element)
         if shape.precision == "e4m3_block":
-            return {"C": _epilogue64(shape, _block_scaled(shape, a, element.widen(inputs["B"][:, :shape.k])
-                                                          .astype(np.float64), inputs["scale_a"], inputs["scale_b"]),
+            return {"C": _epilogue64(shape, _block_scaled(shape, a.float64(), Stored(inputs["B"][:, :shape.k], element)
+                                                          .float64(), inputs["scale_a"], inputs["scale_b"]),
                                      inputs)}
+        b = Stored(inputs["B"][:, :shape.n], element) if shape.b_layout == "kn" else \
+            Stored(inputs["B"][:, :shape.k], element).T
+        c = product64(a, b)
         if shape.precision == "e4m3":  # the scales as the kernel applies them: their fp32 product
-            a = a * float(np.float32(inputs["scale_a"][0]) * np.float32(inputs["scale_b"][0]))
-        if shape.b_layout == "kn":
-            c = product64(a, element.widen(inputs["B"][:, :shape.n]).astype(np.float64))
-        else:
-            c = product64(a, element.widen(inputs["B"][:, :shape.k]).astype(np.float64).T)
+            c = c * float(np.float32(inputs["scale_a"][0]) * np.float32(inputs["scale_b"][0]))
         return {"C": _epilogue64(shape, c, inputs)}
 
     def gate_runs(self, shape: Shape, run: dict[str, int], params: Params) -> list[dict[str, int]]:

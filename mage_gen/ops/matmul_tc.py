@@ -50,7 +50,7 @@ import numpy as np
 
 from mage_gen.dtypes import BFLOAT16, FLOAT32, DType
 from mage_gen.errors import ConfigError
-from mage_gen.ops.base import (Arg, LazyFunction, Rule, TiledProduct, params_dict, params_from, product64,
+from mage_gen.ops.base import (Arg, LazyFunction, Rule, Stored, TiledProduct, params_dict, params_from, product64,
                                public_params_from, register_cap)
 from mage_gen.render import Source, render
 
@@ -387,8 +387,7 @@ class MatmulTC(TiledProduct):
 
     def reference(self, shape: Shape, inputs: dict[str, np.ndarray], scalars: dict[str, int | float]) -> dict[str, np.ndarray]:
         element = _ELEMENT[shape.precision]
-        a, b = (element.widen(inputs[name]).astype(np.float64) for name in ("A", "B"))
-        return {"C": product64(a, b)}
+        return {"C": product64(Stored(inputs["A"], element), Stored(inputs["B"], element))}
 
     def gate_runs(self, shape: Shape, run: dict[str, int], params: Params) -> list[dict[str, int]]:
         return [{}]
