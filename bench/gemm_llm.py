@@ -32,8 +32,6 @@ LAYERS = {
     "8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
     "70b": {"qkv": (10240, 8192), "o": (8192, 8192), "gate_up": (57344, 8192), "down": (8192, 28672)},
 }
-# --tune-missing searches the skinny preset (64-row tiles, split K) up to this M (bench/NOTES.md, Hopper GEMM §7)
-SKINNY_UP_TO = 512
 # The figures a bf16 sweep must reach, as shares of cuBLAS's hot throughput (1 / the paired rounds' median time)
 GEOMEAN_TARGET, FLOOR_TARGET = 1.05, 0.95
 
@@ -82,8 +80,8 @@ def main() -> None:
     parser.add_argument("--model", choices=[*LAYERS, "all"], default="all")
     parser.add_argument("--m", type=int, action="append", help=f"tokens (default: {', '.join(map(str, TOKENS))})")
     parser.add_argument("--tune-missing", action="store_true", help="tune a shape that has no winner in tuned/")
-    parser.add_argument("--preset", help="the search preset --tune-missing tunes over (default: skinny up to "
-                                         f"M = {SKINNY_UP_TO}, the op's default above)")
+    parser.add_argument("--preset", help="the search preset --tune-missing tunes over (default: the one the op "
+                                         "gives the shape's M: search/gemm_sm90.toml's default_by_size)")
     parser.add_argument("--trials", type=int, default=64, help="configs each --tune-missing study measures")
     parser.add_argument("--classes", action="store_true",
                         help="where M is not tuned, bench the params tuned at the nearest M of the same N, K")
@@ -125,9 +123,8 @@ def main() -> None:
             return
         started = time.monotonic()
         shape = op.shape(m=m, n=n, k=k, precision=args.precision)
-        preset = args.preset or ("skinny" if m <= SKINNY_UP_TO else None)
         tune_flags = ["--precision", args.precision, "--objective", "both", "--trials", str(args.trials),
-                      *(["--preset", preset] if preset else [])]
+                      *(["--preset", args.preset] if args.preset else [])]
         params, chosen = product_params(op, shape, device, args.tune_missing, args.untuned, tune_flags, args.classes)
         row = earlier.get((model, layer, m))
         if row is not None and (row.get("params"), row.get("source_hash")) == (

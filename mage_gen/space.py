@@ -62,7 +62,7 @@ def load_space(op: Op, preset: str | None = None, shape: Any = None, sms: int | 
     space is for, which a value given per SM ("4/SM") is multiplied by; without it such values are left out."""
     path, spec = _spec(op.name)
     presets = spec.get("presets", {})
-    preset = preset or spec.get("default_preset") or "full"
+    preset = preset or default_preset(op, shape)
     if preset not in presets:
         raise ConfigError(f"preset: unknown preset {preset!r} for {op.name}; use one of {', '.join(presets)}")
     axes = dict(spec["axes"])
@@ -79,6 +79,22 @@ def load_space(op: Op, preset: str | None = None, shape: Any = None, sms: int | 
     if shape is not None:
         fitted = op.fit_space(shape, fitted)
     return Space(op=op.name, preset=preset, axes=tuple(fitted.items()), first=_first(path, spec), needs_sms=needs_sms)
+
+
+def default_preset(op: Op, shape: Any = None) -> str:
+    """The preset a shape gets when none is named: the first of the spec's default_by_size whose up_to bounds hold
+    the shape (each a size of it at most), else default_preset, else full."""
+    path, spec = _spec(op.name)
+    presets = spec.get("presets", {})
+    for rule in spec.get("default_by_size", []):
+        bounds = rule.get("up_to")
+        if rule.get("preset") not in presets or not isinstance(bounds, dict) or not bounds \
+                or any(size not in op.shape_dims or not isinstance(at_most, int) for size, at_most in bounds.items()):
+            raise ConfigError(f"space: each default_by_size of {path.name} takes a preset of the spec and up_to, "
+                              f"sizes of {', '.join(op.shape_dims)} at most a whole number each; got {rule}")
+        if shape is not None and all(getattr(shape, size) <= at_most for size, at_most in bounds.items()):
+            return rule["preset"]
+    return spec.get("default_preset") or "full"
 
 
 def _on_device(values: list[Any], sms: int | None) -> tuple[Any, ...]:

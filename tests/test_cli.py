@@ -64,7 +64,7 @@ def test_variants_size_a_grid_given_per_sm_for_the_sms_asked():
 
 
 def test_variants_of_a_preset_all_per_sm_ask_for_sms_where_there_is_no_gpu():
-    done = mage_gen("variants", "gemm_sm90", "--m", "256", "--n", "512", "--k", "256", "--limit", "1")
+    done = mage_gen("variants", "gemm_sm90", "--m", "2048", "--n", "512", "--k", "256", "--limit", "1")
     if done.returncode == 0:  # a GPU here sized the grid
         return
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [

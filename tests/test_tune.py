@@ -497,6 +497,31 @@ def test_a_first_table_naming_an_unknown_axis_is_a_one_line_error(tmp_path, monk
         load_space(get_op("rmsnorm"), "long")
 
 
+def test_a_shape_with_no_preset_named_gets_the_first_whose_sizes_hold_it():
+    from mage_gen.space import default_preset
+
+    gemm = get_op("gemm_sm90")
+    chosen = {m: load_space(gemm, None, gemm.shape(m=m, n=4096, k=4096)).preset for m in (16, 256, 257, 1024, 1025)}
+    assert chosen == {16: "skinny", 256: "skinny", 257: "mid", 1024: "mid", 1025: "quick"}
+    assert default_preset(gemm) == "quick" and load_space(gemm).preset == "quick"  # no shape: the spec's default
+    assert load_space(gemm, "full", gemm.shape(m=16, n=64, k=64)).preset == "full"  # a preset named is the preset
+    layernorm = get_op("layernorm")
+    assert load_space(layernorm, None, layernorm.shape(d=768)).preset == "quick"  # no rules: the default
+
+
+@pytest.mark.parametrize("rule", ['{ preset = "narrow", up_to = { m = 256 } }', '{ preset = "skinny", up_to = { x = 2 } }',
+                                  '{ preset = "skinny", up_to = { m = 2.5 } }', '{ preset = "skinny" }'])
+def test_a_default_by_size_rule_the_spec_cannot_hold_is_a_one_line_error(tmp_path, monkeypatch, rule):
+    spec = (Path(__file__).parents[1] / "search" / "gemm_sm90.toml").read_text()
+    (tmp_path / "search").mkdir()
+    (tmp_path / "search" / "gemm_sm90.toml").write_text(
+        spec.replace('{ preset = "skinny", up_to = { m = 256 } }', rule, 1))
+    monkeypatch.setattr("mage_gen.space.data_dir", lambda name: tmp_path / name)
+    gemm = get_op("gemm_sm90")
+    with pytest.raises(ConfigError, match=r"^space: each default_by_size of gemm_sm90.toml takes a preset of the spec"):
+        load_space(gemm, None, gemm.shape(m=4096, n=64, k=64))
+
+
 def test_an_exhaustive_search_measures_the_stored_winner_first_then_the_rest_once_each(recording_path, small,
                                                                                       tmp_path):
     valid, _ = expand(OP, SHAPE, small)
@@ -956,7 +981,7 @@ def test_cli_tunes_a_gemm_at_several_m_in_turn_each_from_the_winners_stored_befo
     variants = []
     for m in (16, 32):
         shape = gemm.shape(m=m, n=64, k=64)
-        for i, params in enumerate(expand(gemm, shape, load_space(gemm, "quick", shape, sms=132))[0]):
+        for i, params in enumerate(expand(gemm, shape, load_space(gemm, None, shape, sms=132))[0]):
             timing = {method: {"method": method, "samples": 8, "median_us": 10.0 + i, "spread_us": 0.1,
                                "min_us": 10.0 + i} for method in ("hot", "cold")}
             variants.append({"kernel": gemm.kernel_name(shape, params), "gate": {"passed": True, "reason": "",
