@@ -561,7 +561,8 @@ def float64_tensor(operand: Operand, device: str) -> Any:
         return torch.from_numpy(operand).to(device)
     values = operand.values
     bits = torch.from_numpy(values.view(_SAME_WIDTH_INTS[values.dtype.itemsize])).to(device)
-    return bits.view(getattr(torch, operand.dtype.name)).to(torch.float64)
+    # through float32, which holds every element type here exactly and which every type converts to
+    return bits.view(getattr(torch, operand.dtype.name)).to(torch.float32).to(torch.float64)
 
 
 def _use_the_gpu_for_large_references() -> None:

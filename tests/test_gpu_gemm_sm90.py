@@ -245,9 +245,18 @@ def test_a_large_reference_is_computed_on_the_gpu_and_agrees_with_numpy(device):
 
     from mage_gen.measure import product_on_gpu
 
+    from mage_gen.dtypes import BFLOAT16, E4M3
+    from mage_gen.ops.base import Stored
+
     rng = np.random.default_rng(3)
     a, b = rng.standard_normal((300, 500)), rng.standard_normal((700, 500))
     assert np.allclose(product_on_gpu(a, b.T), a @ b.T, rtol=1e-12, atol=1e-12)
+    # operands in their storage, rows of a padded buffer and B transposed, widened on the GPU
+    for dtype in (BFLOAT16, E4M3):
+        held_a, held_b = (dtype.round(x.astype(np.float32)) for x in (a, b))
+        stored_a, stored_b = Stored(held_a[:, :480], dtype), Stored(held_b[:, :480], dtype).T
+        assert np.allclose(product_on_gpu(stored_a, stored_b), stored_a.float64() @ stored_b.float64(), rtol=1e-12,
+                           atol=1e-12), dtype.name
 
 
 @pytest.mark.parametrize("plant", ["swizzle", "sbo"])
