@@ -673,7 +673,21 @@ def test_stamps_add_a_record_and_leave_the_kernel_s_work_as_it_was(shape, values
     assert stamped.census.spill_bytes <= 16
 
 
-def test_stamps_are_a_probe_s_switch_outside_every_search_space():
-    for preset in preset_names(OP.name):
-        assert "stamps" not in dict(load_space(OP, preset).axes)
-    assert "stamps" not in OP.params_to_dict(OP.params_from_dict({}))
+def test_stamps_and_early_copies_are_a_probe_s_switches_outside_every_search_space():
+    for switch in ("stamps", "early_copies"):
+        for preset in preset_names(OP.name):
+            assert switch not in dict(load_space(OP, preset).axes)
+        assert switch not in OP.params_to_dict(OP.params_from_dict({}))
+
+
+def test_early_copies_let_the_producer_arrive_at_the_setup_barrier_and_copy_while_the_consumers_wait():
+    shape = OP.shape(m=16, n=4096, k=4096)
+    values = {"bm": 64, "bn": 128, "consumers": 1, "stages": 8, "split_k": 4, "epilogue": "direct", "grid": 0}
+    plain, early = (build(OP, shape, OP.params_from_dict({**values, "early_copies": e}), "sm_90") for e in (False, True))
+    assert early.source.kernel_name == plain.source.kernel_name + "_early"
+    assert "bar.arrive" not in plain.compiled.ptx and len(re.findall(r"\bbar\.sync 0;", plain.compiled.ptx)) == 1
+    arrivals = re.findall(r"bar\.arrive %r\d+, (\d+);", early.compiled.ptx)
+    assert arrivals == ["256"] and not re.search(r"\bbar\.sync 0;", early.compiled.ptx)  # every thread counted
+    assert early.census.hopper == plain.census.hopper and early.census.stores_of("C") == plain.census.stores_of("C")
+    with pytest.raises(ConfigError, match="^early-copies: .* use cluster 1"):
+        OP.validate(OP.shape(m=256, n=256, k=256), OP.params_from_dict({"cluster": 2, "early_copies": True}))

@@ -202,7 +202,11 @@ SWAPPED_AND_FP8 = [("bf16", {"bm": 64, "bn": 16, "consumers": 1, "swap": True}),
                    ("bf16", {"split_k": 2, "split_sum": "cluster", "epilogue": "tma", "grid": 0}),
                    ("bf16", {"bm": 64, "bn": 16, "consumers": 1, "swap": True, "split_k": 8, "split_sum": "cluster",
                              "grid": 0}),
-                   ("e4m3", {"bm": 64, "bn": 128, "consumers": 1, "split_k": 2, "split_sum": "cluster", "grid": 0})]
+                   ("e4m3", {"bm": 64, "bn": 128, "consumers": 1, "split_k": 2, "split_sum": "cluster", "grid": 0}),
+                   # early copies: the producer passes the setup barrier by arriving (a probe's switch)
+                   ("bf16", {"bm": 64, "bn": 128, "consumers": 1, "stages": 8, "split_k": 4, "grid": 0,
+                             "early_copies": True}),
+                   ("bf16", {"schedule": "pingpong", "epilogue": "tma", "early_copies": True})]
 
 
 @pytest.mark.parametrize("precision, values", SWAPPED_AND_FP8,

@@ -101,7 +101,7 @@ PLANTED_BUGS = ("", "swizzle", "sbo", "phase", "proxy_fence", "split_reset", "sp
 SPLIT_PLANTS = ("split_reset", "split_order", "split_fence")
 SPLIT_SUMS = ("global", "cluster")  # where split K's partials meet: a workspace, or a cluster's shared memory
 MAX_SPLIT_K = 16
-_HIDDEN = frozenset({"plant", "watchdog_ms", "stamps"})
+_HIDDEN = frozenset({"plant", "watchdog_ms", "stamps", "early_copies"})
 # stamps (a probe's, bench/probes/gemm_sm90_timeline.py): the first STAMP_CTAS CTAs each record STAMP_SLOTS words in
 # the module's global mg_stamps: when it entered, first copied, first found a stage full, ended its main loops, ended,
 # and (the last slot) when its threads had met after the barriers' setup
@@ -185,6 +185,9 @@ class Params:
     plant: str = ""  # a deliberate bug, for the tests of the gate only
     watchdog_ms: int = WATCHDOG_MS
     stamps: bool = False  # clocks of the CTAs' phases into mg_stamps, for a probe only
+    # a probe's too: the producer's warpgroup arrives at the setup barrier (bar.arrive) and goes on to its first
+    # copies, the consumers alone waiting there for it (thread 0 made every barrier the producer uses)
+    early_copies: bool = False
 
     @property
     def threads(self) -> int:
@@ -531,6 +534,10 @@ _RULES: tuple[Rule, ...] = (
          lambda s, p: "the proxy fence belongs to the TMA store: plant proxy_fence with epilogue tma (and N·size a "
                       "multiple of 16 bytes)"),
     Rule("watchdog", lambda s, p: p.watchdog_ms >= 1, lambda s, p: f"watchdog_ms is positive, got {p.watchdog_ms}"),
+    # a cluster's CTAs meet before any copy, so that none is multicast into a peer whose barriers are not made
+    Rule("early-copies", lambda s, p: not p.early_copies or p.cluster == 1,
+         lambda s, p: f"early_copies passes the CTA's setup barrier; a cluster of {p.cluster} meets at its own: use "
+                      "cluster 1"),
 )
 
 
@@ -663,7 +670,8 @@ class GemmSm90(OpFamily):
                 + f"_{epilogue(shape, p)}" + (f"_k{p.split_k}" if p.split_k > 1 else "") + ("c" if cluster_sum(p) else "")
                 + ("_sk" if p.stream_k else "")
                 + ("_sw" if p.swap else "")
-                + (f"_bug_{p.plant}" if p.plant else "") + ("_stamps" if p.stamps else ""))
+                + (f"_bug_{p.plant}" if p.plant else "") + ("_early" if p.early_copies else "")
+                + ("_stamps" if p.stamps else ""))
 
     def context(self, shape: Shape, p: Params) -> dict[str, Any]:
         out = OUTPUTS[shape.c_dtype]
@@ -707,7 +715,7 @@ class GemmSm90(OpFamily):
             SK_CTAS=stream_ctas(shape, p) if p.stream_k else 0, PART_THREADS=128 if p.schedule == "pingpong" else 128 * p.consumers,
             SPLIT_BARRIER="3 + consumer" if p.schedule == "pingpong" else "3",
             SPLIT_FLAG_AT=p.stages * stage_bytes + c_stage + 16 * p.stages + (16 if p.schedule == "pingpong" else 0),
-            STAMPS=p.stamps, STAMP_CTAS=STAMP_CTAS, STAMP_SLOTS=STAMP_SLOTS, CLUSTER_SUM=cluster_sum(p),
+            STAMPS=p.stamps, EARLY_COPIES=p.early_copies, STAMP_CTAS=STAMP_CTAS, STAMP_SLOTS=STAMP_SLOTS, CLUSTER_SUM=cluster_sum(p),
         )
 
     def source(self, shape: Shape, p: Params) -> Source:
