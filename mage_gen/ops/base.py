@@ -56,8 +56,8 @@ LARGE_PRODUCT_FLOPS = 1 << 33
 class Stored:
     """A matrix operand of a product64 as a kernel reads it: `values` in `dtype`'s storage (a view, rows of a padded
     buffer or transposed), widened to float64 where the product is taken. A large product's operands then cross to
-    the GPU at their own width and are widened there: widening 70B's gate_up weight (470M elements) to float64 on
-    the host took most of a trial's gate."""
+    the GPU at their own width and are widened there: 70B's gate_up weight (470M elements) widened on the host is
+    3.8 GB of float64 made by one core, where a trial's gate took 2.95 s, 2.5 of them on the host."""
 
     values: np.ndarray
     dtype: DType

@@ -715,7 +715,8 @@ class GemmSm90(OpFamily):
             SK_CTAS=stream_ctas(shape, p) if p.stream_k else 0, PART_THREADS=128 if p.schedule == "pingpong" else 128 * p.consumers,
             SPLIT_BARRIER="3 + consumer" if p.schedule == "pingpong" else "3",
             SPLIT_FLAG_AT=p.stages * stage_bytes + c_stage + 16 * p.stages + (16 if p.schedule == "pingpong" else 0),
-            STAMPS=p.stamps, EARLY_COPIES=p.early_copies, STAMP_CTAS=STAMP_CTAS, STAMP_SLOTS=STAMP_SLOTS, CLUSTER_SUM=cluster_sum(p),
+            STAMPS=p.stamps, STAMP_CTAS=STAMP_CTAS, STAMP_SLOTS=STAMP_SLOTS, EARLY_COPIES=p.early_copies,
+            CLUSTER_SUM=cluster_sum(p),
         )
 
     def source(self, shape: Shape, p: Params) -> Source:
