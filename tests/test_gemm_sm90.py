@@ -691,3 +691,13 @@ def test_early_copies_let_the_producer_arrive_at_the_setup_barrier_and_copy_whil
     assert early.census.hopper == plain.census.hopper and early.census.stores_of("C") == plain.census.stores_of("C")
     with pytest.raises(ConfigError, match="^early-copies: .* use cluster 1"):
         OP.validate(OP.shape(m=256, n=256, k=256), OP.params_from_dict({"cluster": 2, "early_copies": True}))
+
+
+@pytest.mark.parametrize("values", [{}, {"split_k": 2, "grid": 0}, {"schedule": "pingpong", "consumers": 2, "grid": 1,
+                                                                    "epilogue": "tma"}])
+def test_early_copies_on_the_interpreter_match_numpy_bit_for_bit_at_tails(values):
+    shape = OP.shape(m=129, n=136, k=200)
+    variant = build(OP, shape, OP.params_from_dict({**SMALL, **values, "early_copies": True}), "sm_90")
+    inputs = _whole_numbers(shape, np.random.default_rng(5))
+    out = interp.launch_with(OP, shape, variant, {}, inputs)["C"]
+    assert np.array_equal(out.view(np.uint8), BFLOAT16.round(OP.reference(shape, inputs, {})["C"]).view(np.uint8))

@@ -321,6 +321,61 @@ def test_generic_addresses_reach_shared_and_global_memory():
     assert (out == 2 * (np.arange(64) ^ 1)).all()
 
 
+# warp 0 stores its tids to shared and global memory and arrives at barrier 1 (bar.arrive: it does not wait); warp 1
+# waits there (bar.sync), then reads warp 0's words from both (the membar makes the interpreter track what each
+# thread sees of global memory)
+ARRIVE_THEN_READ = """
+    ld.param.u64 %rd1, [out];
+    ld.param.u64 %rd9, [seen];
+    mov.u32 %r1, %tid.x;
+    mov.u64 %rd5, smem;
+    and.b32 %r2, %r1, 31;
+    mul.wide.u32 %rd2, %r2, 4;
+    add.s64 %rd6, %rd5, %rd2;
+    add.s64 %rd3, %rd1, %rd2;
+    shr.u32 %r3, %r1, 5;
+    setp.ne.u32 %p1, %r3, 0;
+    @%p1 bra WAIT;
+    cvt.rn.f32.u32 %f1, %r1;
+    st.shared.f32 [%rd6], %f1;
+    st.global.f32 [%rd3], %f1;
+    ARRIVAL
+    ret;
+WAIT:
+    bar.sync 1, 64;
+    ld.shared.f32 %f2, [%rd6];
+    ld.global.f32 %f3, [%rd3];
+    add.f32 %f4, %f2, %f3;
+    add.s64 %rd10, %rd9, %rd2;
+    st.global.f32 [%rd10], %f4;
+    membar.gl;
+    ret;
+"""
+
+
+def _arrive_then_read(arrival: str) -> np.ndarray:
+    seen = np.zeros(32, dtype=np.float32)
+    body = ARRIVE_THEN_READ.replace("ARRIVAL", arrival)
+    interp.run(kernel(body, ".param .u64 out, .param .u64 seen", shared=".shared .align 4 .b8 smem[128];"), "k", 1,
+               64, 0, [np.zeros(32, dtype=np.float32), seen])
+    return seen
+
+
+def test_what_a_warp_stored_before_it_arrived_is_seen_by_the_warps_that_waited_at_the_barrier():
+    assert (_arrive_then_read("bar.arrive 1, 64;") == 2 * np.arange(32)).all()
+
+
+@pytest.mark.parametrize("arrival, caught", [
+    ("", (interp.HangError, r"warp 1 \(from thread \(32,0,0\) of block \(0,0,0\)\) at barrier 1")),  # never arrives
+    ("bar.arrive 1, 96;", (interp.InterpError, r"at barrier 1 for different counts \{64, 96\}")),
+    ("bar.arrive 1, 64; bar.arrive 1, 64;", (interp.InterpError, r"arrives at barrier 1 again before it has completed")),
+])
+def test_an_arrival_that_does_not_complete_the_barrier_is_reported(arrival, caught):
+    error, says = caught
+    with pytest.raises(error, match=says):
+        _arrive_then_read(arrival)
+
+
 def test_two_threads_writing_one_shared_word_race():
     body = """
     mov.u32 %r1, %tid.x;

@@ -9,7 +9,7 @@ import numpy as np
 from mage_gen.interp import alu, hopper, memops, tensor
 from mage_gen.interp.errors import InterpError, UnknownInstruction
 from mage_gen.interp.parse import Entry, parse
-from mage_gen.interp.program import BAR, BRA, EXIT, OP, Decoder, Instr, Program
+from mage_gen.interp.program import ARRIVE, BAR, BRA, EXIT, OP, Decoder, Instr, Program
 
 _BUILDERS = {**alu.BUILDERS, **memops.BUILDERS, **tensor.BUILDERS, **hopper.BUILDERS}
 # what makes a block keep the asynchronous proxy's state (hopper.AsyncState)
@@ -17,7 +17,7 @@ _ASYNC = {"mbarrier", "wgmma", "fence", "stmatrix", "mapa"}
 
 
 def _control(dec: Decoder, st, parts) -> tuple[int, int]:
-    """(kind, branch target) for bra / ret / exit / bar.sync; raises where the form is not supported."""
+    """(kind, branch target) for bra / ret / exit / bar.sync / bar.arrive; raises where the form is not supported."""
     if parts[0] == "bra":
         if parts[1:] not in ([], ["uni"]):
             raise UnknownInstruction(f"bra modifier(s) {parts[1:]}")
@@ -29,14 +29,17 @@ def _control(dec: Decoder, st, parts) -> tuple[int, int]:
         if parts[1:] not in ([], ["uni"]):
             raise UnknownInstruction(f"{parts[0]} modifier(s) {parts[1:]}")
         return EXIT, -1
-    # bar.sync 0 (every thread of the block), or bar.sync id, count (a named barrier of count threads)
+    # bar.sync 0 (every thread of the block), or bar.sync id, count (a named barrier of count threads); bar.arrive
+    # id, count: an arrival at it that does not wait
+    if parts[0] == "bar" and parts[1:] in (["arrive"], ["arrive", "aligned"]) and len(st.operands) == 2:
+        return ARRIVE, -1
     if parts[1:] not in (["sync"], ["sync", "aligned"]) or not 1 <= len(st.operands) <= 2:
-        raise UnknownInstruction("only bar.sync id[, count] is implemented")
+        raise UnknownInstruction("only bar.sync id[, count] and bar.arrive id, count are implemented")
     return BAR, -1
 
 
 def _barrier_operands(dec, st):
-    """r -> (barrier id, threads it waits for or None: every thread of the block) of a bar.sync."""
+    """r -> (barrier id, threads it waits for or None: every thread of the block) of a bar.sync or bar.arrive."""
     ident = dec.src(st.operands[0], np.uint32)
     count = dec.src(st.operands[1], np.uint32) if len(st.operands) > 1 else None
     return lambda r: (ident(r), None if count is None else count(r))
@@ -56,7 +59,7 @@ def decode_entry(entry: Entry) -> Program:
                 ins = Instr(OP, hopper.barrier_cluster(dec, st, parts), guard, neg, -1, st.line, st.text)
             elif parts[0] in ("bra", "ret", "exit", "bar", "barrier"):
                 kind, target = _control(dec, st, parts)
-                ins = Instr(kind, _barrier_operands(dec, st) if kind == BAR else None, guard, neg, target, st.line,
+                ins = Instr(kind, _barrier_operands(dec, st) if kind in (BAR, ARRIVE) else None, guard, neg, target, st.line,
                             st.text, uni="uni" in parts[1:])
             else:
                 builder = _BUILDERS.get(parts[0])

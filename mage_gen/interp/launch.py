@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -95,6 +96,9 @@ class Block:
             self.rank = len(cluster.blocks)
             cluster.blocks.append(self)
         self.shared = Shared(shared_bytes)
+        # bar.arrive's arrivals not yet completed, by barrier id: (warp, count, the clock of what each of its threads
+        # saw of global memory when it arrived: what a waiter sees once the barrier completes)
+        self.arrivals: dict[int, list[tuple[Any, int, list[np.ndarray]]]] = {}
         self.asyncs = AsyncState(self.shared.words.size) if prog.async_proxy else None
         n = ntid[0] * ntid[1] * ntid[2]
         self.first_tid = n * (ctaid[0] + nctaid[0] * (ctaid[1] + nctaid[1] * ctaid[2]))  # launch-wide id of tid 0
@@ -148,17 +152,30 @@ class Block:
     def _epoch(self) -> int:
         return self.asyncs.epoch if self.asyncs is not None else 0
 
+    def arrive(self, w: Any, named: tuple[int, int | None], ins: Any) -> None:
+        """Warp w's bar.arrive at barrier named[0] of named[1] threads: counted there, and the warp goes on."""
+        ident, count = named
+        if any(a is w for a, _, _ in self.arrivals.get(ident, [])):
+            raise InterpError(f"line {ins.line}: {ins.text}: {self.describe(int(w.tids[w.live][0]))}'s warp arrives "
+                              f"at barrier {ident} again before it has completed")
+        seen = [] if self.glob.visibility is None else [self.glob.visibility.own(int(t)) for t in w.tids[w.tids >= 0]]
+        self.arrivals.setdefault(ident, []).append((w, count, seen))
+
     def _release(self, stats: Stats) -> bool:
         """Lets go the warps of every barrier that has all it waits for; whether any went. bar.sync 0 waits for every
-        thread that has not exited; a named barrier for its count of threads, a warp arriving for all 32."""
+        thread that has not exited; a named barrier for its count of threads, a warp arriving for all 32, whether it
+        waits there (bar.sync) or only arrives (bar.arrive). What an arriving warp stored before it arrived is seen
+        by the waiters; in shared memory every access of the barrier's threads before it completes counts as ordered
+        before every one after (the race tables keep no order finer than a barrier's)."""
         live = [w for w in self.warps if not w.done]
-        at: dict[int, list] = {}
+        at: dict[int, list] = {ident: [] for ident in self.arrivals}
         for w in live:
             if w.barrier is not None:
                 at.setdefault(w.barrier[0], []).append(w)
         released = False
         for ident, warps in at.items():
-            counts = {w.barrier[1] for w in warps}
+            arrived = self.arrivals.get(ident, [])
+            counts = {w.barrier[1] for w in warps} | {count for _, count, _ in arrived}
             if len(counts) > 1:
                 raise InterpError(f"block {self.ctaid}: warps wait at barrier {ident} for different counts {counts}")
             count = counts.pop()
@@ -169,15 +186,17 @@ class Block:
                 if self.glob.visibility is not None:
                     self.glob.visibility.barrier(np.concatenate([w.tids[w.live] for w in warps]))
             else:
-                if LANES * len(warps) < count:
+                threads = LANES * (len(warps) + len(arrived))
+                if threads < count:
                     continue
-                if LANES * len(warps) > count:
-                    raise InterpError(f"block {self.ctaid}: {LANES * len(warps)} threads at barrier {ident}, which "
-                                      f"waits for {count}")
-                tids = np.concatenate([w.tids[w.tids >= 0] for w in warps])
-                self.shared.new_interval(tids)
-                if self.glob.visibility is not None:
-                    self.glob.visibility.barrier(tids)
+                if threads > count:
+                    raise InterpError(f"block {self.ctaid}: {threads} threads at barrier {ident}, which waits for "
+                                      f"{count}")
+                tids = np.concatenate([w.tids[w.tids >= 0] for w in warps] or [np.zeros(0, np.int64)])
+                self.shared.new_interval(np.concatenate([tids, *(a.tids[a.tids >= 0] for a, _, _ in arrived)]))
+                if self.glob.visibility is not None and tids.size:
+                    self.glob.visibility.barrier(tids, [clock for _, _, seen in arrived for clock in seen])
+                self.arrivals.pop(ident, None)
             for w in warps:
                 w.barrier = None
             stats.barriers += 1

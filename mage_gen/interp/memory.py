@@ -11,7 +11,7 @@ acquire (or the barrier) that order the store before it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -182,9 +182,10 @@ class Visibility:
         np.add.at(self.stores, owners, 1)
         self.seq[idx] = self.stores[owners][:, None]
 
-    def barrier(self, tids: np.ndarray) -> None:
-        """The threads tids (of the block) leave a barrier together: each sees what any of them saw or stored."""
-        merged = self.see[tids].max(axis=0)
+    def barrier(self, tids: np.ndarray, arrived: Sequence[np.ndarray] = ()) -> None:
+        """The threads tids (of the block) leave a barrier together: each sees what any of them saw or stored, and
+        what the threads that only arrived there (bar.arrive) had seen or stored when they arrived (their clocks)."""
+        merged = np.max([self.see[tids].max(axis=0), *arrived], axis=0)
         own = self.first + tids
         merged[own] = np.maximum(merged[own], self.stores[own])
         self.see[tids] = merged

@@ -12,7 +12,7 @@ import numpy as np
 from mage_gen.interp.errors import InterpError, UnknownInstruction
 from mage_gen.interp.parse import Entry
 
-OP, BRA, BAR, EXIT = 0, 1, 2, 3  # instruction kinds the warp loop dispatches on
+OP, BRA, BAR, EXIT, ARRIVE = 0, 1, 2, 3, 4  # instruction kinds the warp loop dispatches on
 
 # bf16 has no numpy type: its registers hold the bits (the conversions in alu read and write them as such),
 # as do the packed pairs bf16x2 and f16x2.

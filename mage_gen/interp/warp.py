@@ -10,7 +10,7 @@ import numpy as np
 
 from mage_gen.interp.errors import DivergenceError, InterpError, MemoryFault, UnknownInstruction
 from mage_gen.interp.memory import NONE, SHARED_GENERIC_BASE
-from mage_gen.interp.program import BAR, BRA, LANES, OP, view
+from mage_gen.interp.program import ARRIVE, BAR, BRA, LANES, OP, view
 
 INF = 1 << 60
 ALL = np.ones(LANES, dtype=bool)
@@ -293,15 +293,20 @@ class Warp:
                         pc = self._reschedule(ins.target, m)
                         mask = self.mask
                         continue
-                elif kind == BAR:
+                elif kind == BAR or kind == ARRIVE:
                     if ins.guard >= 0 or self.other_min != INF:
-                        raise DivergenceError(f"line {ins.line}: {ins.text}: bar.sync reached by part of a "
-                                              f"diverged warp ({self.block.describe(int(self.tids[self.live][0]))}'s)")
+                        raise DivergenceError(f"line {ins.line}: {ins.text}: {ins.text.split()[0]} reached by part of "
+                                              f"a diverged warp ({self.block.describe(int(self.tids[self.live][0]))}'s)")
                     ident, count = ins.fn(r)
                     ident, count = np.unique(np.asarray(ident)), None if count is None else np.unique(np.asarray(count))
                     if ident.size != 1 or (count is not None and count.size != 1):
                         raise DivergenceError(f"line {ins.line}: {ins.text}: the lanes name different barriers")
-                    self.barrier = (int(ident[0]), None if count is None else int(count[0]))
+                    named = (int(ident[0]), None if count is None else int(count[0]))
+                    if kind == ARRIVE:  # counted at the barrier, and the warp goes on
+                        self.block.arrive(self, named, ins)
+                        pc += 1
+                        continue
+                    self.barrier = named
                     self.pc, self.mask = pc + 1, mask
                     self.steps += steps
                     return BARRIER
