@@ -144,13 +144,18 @@ class AsyncState:
         self.landed_bar[idx] = -1
 
 
+def cluster_blocks(block) -> list:
+    """The blocks of block's cluster, rank by rank (block alone where the launch has no clusters)."""
+    return block.cluster.blocks if block.cluster is not None else [block]
+
+
 def peer(w, addr: int, what: str):
     """(the block, its own shared address) a shared::cluster address names: the warp's own block below
     CLUSTER_WINDOW, else the cluster's CTA of that rank (mapa)."""
     if addr < CLUSTER_WINDOW:
         return w.block, addr
     rank, local = addr // CLUSTER_WINDOW - 1, addr % CLUSTER_WINDOW
-    blocks = w.block.cluster.blocks if w.block.cluster is not None else [w.block]
+    blocks = cluster_blocks(w.block)
     if rank >= len(blocks):
         raise InterpError(f"{what}: shared::cluster address {addr:#x} names CTA {rank} of a cluster of {len(blocks)}")
     if all(x.done for x in blocks[rank].warps):  # its shared memory went with it
@@ -170,7 +175,7 @@ def _mapa(dec: Decoder, st, parts):
     def fn(w, mask):
         a = np.broadcast_to(src(w.r), (LANES,)).astype(np.uint64)
         r = np.broadcast_to(rank(w.r), (LANES,)).astype(np.uint64)
-        size = w.block.cluster.size if w.block.cluster is not None else 1
+        size = len(cluster_blocks(w.block))
         sel = w.active(mask)
         if (a[sel] >= CLUSTER_WINDOW).any() or (r[sel] >= size).any():
             raise InterpError(f"{what}: mapa of a shared address past {CLUSTER_WINDOW:#x} or of a rank past the "
@@ -352,7 +357,7 @@ def _cp_bulk_tensor(dec: Decoder, st, parts):
             for lane, m, x, y in _issued(w, mask, tmap, coords, what):
                 dst, bar = int(dsts[lane]) & 0xFFFFFFFF, int(bars[lane])
                 if multicast:  # the box into every CTA the mask names, at the same addresses
-                    blocks = w.block.cluster.blocks if w.block.cluster is not None else [w.block]
+                    blocks = cluster_blocks(w.block)
                     bits = int(masks[lane])
                     if bits >> len(blocks):
                         raise InterpError(f"{what}: a multicast mask {bits:#x} names CTAs past the cluster's "

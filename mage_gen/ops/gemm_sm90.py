@@ -201,7 +201,7 @@ class Params:
                 + (f" chains{self.chains}" if self.chains > 1 else "")
                 + f" {self.epilogue}" + (f" grid≤{self.grid}" if self.grid else "")
                 + (f" split{self.split_k}" if self.split_k > 1 else "")
-                + (" in a cluster" if self.split_k > 1 and self.split_sum == "cluster" else "")
+                + (" in a cluster" if cluster_sum(self) else "")
                 + (" stream-k" if self.stream_k else "")
                 + (" swap" if self.swap else "")
                 + (f" PLANTED {self.plant}" if self.plant else ""))
