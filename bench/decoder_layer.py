@@ -51,17 +51,27 @@ class LlamaLayer(nn.Module):
         self.down = nn.Linear(hidden, d, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        t, hd = x.shape[0], self.head_dim
+        hd = self.head_dim
         q, k, v = self.qkv(self.input_norm(x)).split([self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], -1)
-        q, k = (rotate(u.view(t, -1, hd).transpose(0, 1), cos, sin) for u in (q, k))
-        v = v.view(t, -1, hd).transpose(0, 1)
-        # each KV head repeated for its queries, as Hugging Face's Llama does: SDPA's flash kernel under
-        # torch.compile too, which lowers enable_gqa=True to attention held whole (heads × t × t in float32)
-        k, v = (u.repeat_interleave(self.heads // self.kv_heads, dim=0) for u in (k, v))
+        q, k, v = (heads_first(u, hd) for u in (q, k, v))
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        # each KV head repeated for its queries, as Hugging Face's Llama does
+        k, v = (u.repeat_interleave(self.heads // self.kv_heads, dim=1) for u in (k, v))
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        h = x + self.o(attn.transpose(0, 1).reshape(t, -1))
+        h = x + self.o(tokens_first(attn))
         gate, up = self.gate_up(self.post_norm(h)).chunk(2, -1)
         return h + self.down(F.silu(gate) * up)
+
+
+def heads_first(u: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """(tokens, heads · head_dim) as (1, heads, tokens, head_dim): SDPA's fused kernels (flash, memory-efficient)
+    take only 4-D inputs; 3-D ones fall to its math path, which holds heads × tokens² scores in float32."""
+    return u.view(1, u.shape[0], -1, head_dim).transpose(1, 2)
+
+
+def tokens_first(u: torch.Tensor) -> torch.Tensor:
+    """heads_first's inverse: (1, heads, tokens, head_dim) as (tokens, heads · head_dim)."""
+    return u.transpose(1, 2).reshape(u.shape[2], -1)
 
 
 def rotate(u: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -78,10 +88,10 @@ class Gpt2Block(nn.Module):
         self.fc, self.proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = (u.view(t, self.heads, -1).transpose(0, 1) for u in self.attn_in(self.ln_1(x)).chunk(3, -1))
+        head_dim = x.shape[1] // self.heads
+        q, k, v = (heads_first(u, head_dim) for u in self.attn_in(self.ln_1(x)).chunk(3, -1))
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        h = x + self.attn_out(attn.transpose(0, 1).reshape(t, -1))
+        h = x + self.attn_out(tokens_first(attn))
         return h + self.proj(F.gelu(self.fc(self.ln_2(h)), approximate="tanh"))
 
 
