@@ -297,6 +297,9 @@ class Stream:
     def synchronize(self) -> None:
         check(cu.cuStreamSynchronize(self.handle), "cuStreamSynchronize")
 
+    def destroy(self) -> None:
+        check(cu.cuStreamDestroy(self.handle), "cuStreamDestroy")
+
     def capture(self, enqueue: Any) -> Graph:
         """Record what `enqueue(stream_handle)` puts on this stream into a replayable graph."""
         check(cu.cuStreamBeginCapture(self.handle, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),

@@ -96,15 +96,20 @@ class Prepared:
         """The addresses of this stream's working buffers, made on its first launch: a zeroed one (split K's
         counters, which each launch leaves zero) is cleared on the stream before that launch. Launches on one stream
         run in order, so they may share them; two streams may not. A graph being captured gets buffers of its own,
-        cleared before each replay by the memset it records, kept as long as this launch is."""
+        kept as long as this launch is, and cleared at once on a stream beside the capture: a memset recorded into
+        the graph would run before every replay, though every launch leaves the counters zero."""
         buffers = self._working_by_stream.get(stream)
         if buffers is None:
             in_graph = gpu.capturing(stream)
             with gpu.relaxed_capture():
                 buffers = tuple(gpu.Buffer(nbytes) for _, nbytes in self._working)
-            for (kind, _), buffer in zip(self._working, buffers):
-                if kind == "zeroed":
-                    buffer.fill32(0, stream)
+                beside = gpu.Stream() if in_graph else None
+                for (kind, _), buffer in zip(self._working, buffers):
+                    if kind == "zeroed":
+                        buffer.fill32(0, beside.handle if beside else stream)
+                if beside:
+                    beside.synchronize()
+                    beside.destroy()
             if in_graph:
                 self._working_in_graphs.append(buffers)
             else:

@@ -411,7 +411,11 @@ def test_an_untuned_n_k_and_a_misaligned_x_are_refused_in_one_line():
 
 def test_a_split_k_kernel_from_the_runtime_computes_on_two_streams_and_in_a_graph():
     """The runtime's working buffers: a workspace and counters per stream (cleared on its first launch, left zero by
-    each), and a graph's own, cleared by the memset it records."""
+    each), and a graph's own, cleared when it is captured: the graph holds the kernel alone, no memset to run before
+    every replay."""
+    from cuda.bindings import driver as cu
+
+    from mage_gen import gpu
 
     on_h200()
     m, n, k = 40, 4096, 4096
@@ -441,6 +445,22 @@ def test_a_split_k_kernel_from_the_runtime_computes_on_two_streams_and_in_a_grap
         graph.replay()
         torch.cuda.synchronize()
         assert relative_error(y, torch.nn.functional.linear(x.double(), weight.double())) <= tolerance
+    # a graph captured on a stream of the driver's: one node, the kernel
+    stream = gpu.Stream()
+    own = stream.capture(lambda handle: prepared.launch((y.data_ptr(), x.data_ptr(), weight.data_ptr()), int(handle)))
+    try:
+        _, count = gpu.check(cu.cuGraphGetNodes(own.graph, 0), "cuGraphGetNodes")
+        assert count == 1
+        x.copy_(bf16_inputs((m,), n, k, 54)[0])
+        y.fill_(float("nan"))
+        torch.cuda.synchronize()
+        for _ in range(2):  # the second replay reads the counters the first left zero
+            own.launch(stream)
+        stream.synchronize()
+        assert relative_error(y, torch.nn.functional.linear(x.double(), weight.double())) <= tolerance
+    finally:
+        own.destroy()
+        stream.destroy()
 
 
 def test_a_patched_layer_compiled_by_inductor_matches_float32_and_fuses_its_add_and_its_gate():

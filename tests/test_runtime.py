@@ -640,7 +640,7 @@ def test_a_split_k_launch_gets_working_buffers_of_its_own_stream_and_a_graph_its
     op = get_op("gemm_sm90")
     shape = op.shape(m=16, n=4096, k=4096)
     params = op.params_from_dict({"split_k": 2, "bm": 64, "consumers": 1})
-    made, capturing = [], set()
+    made, capturing, side = [], set(), []
 
     class Buffer:  # cuMemAlloc and cuMemsetD32Async, recorded
         def __init__(self, nbytes):
@@ -649,8 +649,21 @@ def test_a_split_k_launch_gets_working_buffers_of_its_own_stream_and_a_graph_its
 
         def fill32(self, bits, stream=0):
             self.fills.append((bits, stream))
+            side.append(("fill", stream))
+
+    class Stream:  # cuStreamCreate, cuStreamSynchronize and cuStreamDestroy, recorded
+        def __init__(self):
+            self.handle = 100 + len(side)
+            side.append(("create", self.handle))
+
+        def synchronize(self):
+            side.append(("synchronize", self.handle))
+
+        def destroy(self):
+            side.append(("destroy", self.handle))
 
     monkeypatch.setattr(gpu, "Buffer", Buffer)
+    monkeypatch.setattr(gpu, "Stream", Stream)
     monkeypatch.setattr(gpu, "capturing", lambda stream: stream in capturing)
     monkeypatch.setattr(gpu, "relaxed_capture", contextlib.nullcontext)
     monkeypatch.setattr(gpu, "tensor_map", lambda address, spec: bytes(gpu.TENSOR_MAP_BYTES))
@@ -665,8 +678,12 @@ def test_a_split_k_launch_gets_working_buffers_of_its_own_stream_and_a_graph_its
     assert made[0].fills == [] and made[1].fills == [(0, 7)]  # the counters cleared on the stream, before the launch
     assert launch(8) == [made[2].ptr, made[3].ptr] and made[3].fills == [(0, 8)]  # another stream, its own
     capturing.add(9)
+    del side[:]
     assert launch(9) == [made[4].ptr, made[5].ptr] and launch(9) == [made[6].ptr, made[7].ptr]  # each graph its own
-    assert made[5].fills == made[7].fills == [(0, 9)]  # recorded into the graph: cleared before every replay
+    # cleared at capture on a stream beside it, and waited for: nothing is recorded into the graph to run at each replay
+    assert made[5].fills == [(0, 100)] and made[7].fills == [(0, 104)]
+    assert side == [(event, stream) for stream in (100, 104)
+                    for event in ("create", "fill", "synchronize", "destroy")]
     assert launch(7) == [made[0].ptr, made[1].ptr] and len(made) == 8
 
 
