@@ -247,9 +247,8 @@ def test_an_epilogue_matches_the_float64_reference_at_tails(device, stream, fiel
 def test_a_large_reference_is_computed_on_the_gpu_and_agrees_with_numpy(device):
     import numpy as np
 
-    from mage_gen.measure import product_on_gpu
-
     from mage_gen.dtypes import BFLOAT16, E4M3
+    from mage_gen.measure import product_on_gpu
     from mage_gen.ops.base import Stored
 
     rng = np.random.default_rng(3)
