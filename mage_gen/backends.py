@@ -10,14 +10,15 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from mage_gen.errors import MageError
-from mage_gen.measure import Bench, Evaluation, common_to_every_placement, interleave_placed
+from mage_gen.measure import Bench, Evaluation, common_to_every_placement, interleave_rounds, pool_rounds
 from mage_gen.verdict import GateResult
 from mage_gen.ops import Op
 from mage_gen.timing import Timing
 
 FINAL_PLACEMENTS = 4  # of the inputs and outputs (measure.Placement); each round at the next
-FINAL_ROUNDS = 4
-FINAL_PER_ROUND = 8
+# Eight rounds: the fewest whose paired-ratio interval (timing.median_interval) covers the median at 95%.
+FINAL_ROUNDS = 8
+FINAL_PER_ROUND = 4
 
 
 Progress = Callable[[int, int], None]
@@ -38,7 +39,8 @@ class Backend(Protocol):
               ) -> tuple[dict[str, dict[str, Timing]], dict[str, dict[str, Any]], dict[str, str]]:
         """Re-gate the finalists and time them interleaved with the peers, hot and cold; progress(done, total) is
         told of each step. Returns ({kernel or peer name: {'hot': Timing, 'cold': Timing}}, {peer: config},
-        {name: why dropped})."""
+        {name: why dropped}); where every finalist was timed in the same interleaved rounds, each name's entry also
+        holds 'rounds': {'hot': [its samples in round r, ...], 'cold': [...]}, for comparisons by paired rounds."""
         ...
 
 
@@ -103,16 +105,20 @@ class GpuBackend:
                 placed.append([*group, *peers])
                 step()
             placed, _ = common_to_every_placement(placed)
-            hot, _ = interleave_placed(placed, "hot", FINAL_ROUNDS, FINAL_PER_ROUND)
-            step()
-            cold, _ = interleave_placed(placed, "cold", FINAL_ROUNDS, FINAL_PER_ROUND)
-            step()
+            taken = {}
+            for method in ("hot", "cold"):
+                taken[method] = interleave_rounds(placed, method, FINAL_ROUNDS, FINAL_PER_ROUND)
+                step()
+            hot, _ = pool_rounds(taken["hot"], "hot", len(placed))
+            cold, _ = pool_rounds(taken["cold"], "cold", len(placed))
             changed = self.bench.inputs_changed()
             if changed:
                 raise MageError(f"tune: after the final round the shared inputs {', '.join(changed)} no longer hold "
                                 "what was uploaded: a finalist or peer writes into its inputs; the trials are kept, "
                                 "rerun with a preset that leaves that config out")
-            timings = {name: {"hot": hot[name], "cold": cold[name]} for name in hot}
+            timings = {name: {"hot": hot[name], "cold": cold[name],
+                              "rounds": {method: [r[name] for r in taken[method]] for method in taken}}
+                       for name in hot}
             # a peer's config as picked at the first placement; Triton's num_warps is picked again at each
             configs = {name: {**c[0], "at the other placements": c[1:]} for name, c in peer_configs.items()
                        if name in hot}
@@ -188,7 +194,8 @@ class ReplayBackend:
         for v in variants:
             r = self._record(v)
             if r["hot"]:
-                timings[r["kernel"]] = {"hot": Timing.from_dict(r["hot"]), "cold": Timing.from_dict(r["cold"])}
+                timings[r["kernel"]] = {"hot": Timing.from_dict(r["hot"]), "cold": Timing.from_dict(r["cold"]),
+                                        **({"rounds": r["rounds"]} if "rounds" in r else {})}
             else:
                 dropped[r["kernel"]] = r["gate"]["reason"]
         peers = self.recording.get("peers", {})

@@ -564,8 +564,8 @@ def _print_result(op: Op, result: Any, objective: str, note: str = "") -> None:
         within = "hot and cold" if objective == "both" else objective
         rule = kept + ("the stored winner" if result.kept_stored else
                        "the one with fewer registers, then fewer threads")
-        out.print(f"tie: {result.winner.name} and {', '.join(result.tied_with)} are within each other's spread "
-                  f"{within}; kept {rule}")
+        out.print(f"tie: {result.winner.name} and {', '.join(result.tied_with)}: none told slower than the fastest "
+                  f"by {result.tie_test}, {within}; kept {rule}")
     for name, why in result.dropped.items():
         out.print(f"  not compared: {name}: {why}", markup=False)
 

@@ -37,7 +37,7 @@ from mage_gen.errors import CompileError, ConfigError, MageError
 from mage_gen.ops import Op
 from mage_gen.ops.base import shape_dict
 from mage_gen.space import Space, rejection, tally, valid_params
-from mage_gen.timing import OBJECTIVES, Timing, by_objective
+from mage_gen.timing import OBJECTIVES, RoundRatio, Timing, by_objective, round_ratio
 from mage_gen.variants import Variant, build, prebuild
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)  # the CLI reports progress itself
@@ -71,9 +71,26 @@ class Finalist:
     template: str
     template_hash: str
     source_hash: str
+    # method -> the samples of each interleaved round of the final round, where the backend keeps them
+    rounds: dict[str, list[list[float]]] | None = None
 
     def timing(self, objective: str) -> Timing:
         return by_objective(self.hot, self.cold, objective)
+
+    def versus(self, other: Finalist, method: str) -> RoundRatio | None:
+        """This one's time over the other's by paired rounds, where both were timed in the same rounds."""
+        if self.rounds is None or other.rounds is None:
+            return None
+        return round_ratio(self.rounds[method], other.rounds[method])
+
+    def keeps_up_with(self, other: Finalist, method: str) -> bool:
+        """Not told slower than the other on a method (hot or cold): by paired rounds, else by their spreads. The
+        finalists are ranked by their pooled medians, which a paired comparison may order the other way."""
+        paired = self.versus(other, method)
+        if paired is None:
+            mine, theirs = self.timing(method), other.timing(method)
+            return mine.median_us <= theirs.median_us or mine.ties_with(theirs)
+        return paired.verdict != "slower"
 
 
 @dataclass(frozen=True)
@@ -108,6 +125,7 @@ class TuneResult:
     peers: dict[str, dict[str, Any]]  # name -> {'hot': Timing, 'cold': Timing, 'config': {...}}
     dropped: dict[str, str] = field(default_factory=dict)
     kept_stored: bool = False  # a tie, and the size class's stored winner among the tied, so kept
+    tie_test: str = "spreads"  # how two finalists were told apart: 'paired rounds', or 'spreads' (a replay)
     # where this process's trials spent their time, seconds per trial (measure.Evaluation.seconds); empty when
     # its backend does not say (a replay)
     trial_seconds: dict[str, float] = field(default_factory=dict)
@@ -135,9 +153,11 @@ class TuneResult:
             "timings": {"hot": w.hot.to_dict(), "cold": w.cold.to_dict()},
             "peers": {name: {"hot": p["hot"].to_dict(), "cold": p["cold"].to_dict(), "config": p["config"]}
                       for name, p in self.peers.items()},
-            "tie": self.tie, "tied_with": self.tied_with,
+            "tie": self.tie, "tied_with": self.tied_with, "tie_test": self.tie_test,
             "runner_ups": [{"kernel": f.name, "params": op.params_to_dict(f.params), "registers": f.registers,
-                            "hot": f.hot.to_dict(), "cold": f.cold.to_dict()} for f in self.runner_ups],
+                            "hot": f.hot.to_dict(), "cold": f.cold.to_dict(),
+                            **({"over_winner": {m: f.versus(w, m).to_dict() for m in ("hot", "cold")}}
+                               if f.versus(w, "hot") else {})} for f in self.runner_ups],
         }
 
 
@@ -509,7 +529,7 @@ def _finish(op, shape, study, done, valid, rejected, backend, objective, measure
                  threads=op.geometry(shape, v.params, {k: 1 for k in op.run_dims}).threads,
                  hot=timings[v.source.kernel_name]["hot"], cold=timings[v.source.kernel_name]["cold"],
                  census=v.census.to_dict(), template=v.source.template, template_hash=v.source.template_hash,
-                 source_hash=v.source.source_hash)
+                 source_hash=v.source.source_hash, rounds=timings[v.source.kernel_name].get("rounds"))
         for v in finalists if v.source.kernel_name in timings
     ]
     if not ranked:
@@ -519,15 +539,15 @@ def _finish(op, shape, study, done, valid, rejected, backend, objective, measure
     if objective == "both":
         # a tie on both methods at once: a kernel several percent slower on one of them must not pass for a tie
         # because the other's spread is wide
-        tied = [f for f in ranked if f.hot.ties_with(fastest.hot) and f.cold.ties_with(fastest.cold)]
+        tied = [f for f in ranked if f.keeps_up_with(fastest, "hot") and f.keeps_up_with(fastest, "cold")]
         tied_on_both = tied
     else:
-        tied = [f for f in ranked if f.timing(objective).ties_with(fastest.timing(objective))]
+        tied = [f for f in ranked if f.keeps_up_with(fastest, objective)]
         # Tied on the objective, a kernel the other method times faster is the better one to keep: a size class
         # tuned hot is also launched cold.
         other = "cold" if objective == "hot" else "hot"
-        best_other = min(tied, key=lambda f: f.timing(other).median_us).timing(other)
-        tied_on_both = [f for f in tied if f.timing(other).ties_with(best_other)]
+        best_other = min(tied, key=lambda f: f.timing(other).median_us)
+        tied_on_both = [f for f in tied if f.keeps_up_with(best_other, other)]
     # Within a tie on both, the stored winner where it is among them (a retune replaces it only by beating it:
     # otherwise each retune's draw of the spread could swap a size class's kernel for a tie), else the frugal one.
     stored_key = params_key(op, incumbent) if incumbent is not None else None
@@ -540,6 +560,7 @@ def _finish(op, shape, study, done, valid, rejected, backend, objective, measure
         reused=reused, failed=failed, winner=winner, runner_ups=[f for f in ranked if f is not winner],
         tie=len(tied) > 1, tied_with=[f.name for f in tied if f is not winner],
         kept_stored=bool(stored) and len(tied) > 1, peers=peers, dropped=dropped,
+        tie_test="paired rounds" if all(f.rounds is not None for f in ranked) else "spreads",
         trial_seconds=_seconds_per_trial(study))
     # the report reads the final round from the study, whichever tuned/ entry it led to
     study.set_user_attr("final_round", {"winner": winner.name, "winner_params": op.params_to_dict(winner.params),

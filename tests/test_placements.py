@@ -192,6 +192,10 @@ def test_a_finalist_that_fails_its_check_at_one_placement_is_dropped_and_the_oth
     assert told == [(done, backends.FINAL_STEPS) for done in range(backends.FINAL_STEPS + 1)]
     per = backends.FINAL_ROUNDS * backends.FINAL_PER_ROUND
     assert timings["a"]["hot"].samples == timings["a"]["cold"].samples == per
+    # the same rounds for every finalist, kept for comparisons by paired rounds
+    for method in ("hot", "cold"):
+        assert [len(r) for r in timings["a"]["rounds"][method]] == [backends.FINAL_PER_ROUND] * backends.FINAL_ROUNDS
+        assert len(timings["c"]["rounds"][method]) == backends.FINAL_ROUNDS
     assert {p for name, p, _ in backend.bench.calls if name == "a"} == set(range(backends.FINAL_PLACEMENTS))
     assert not any(name == "b" for name, _, _ in backend.bench.calls)  # never timed
     assert all(s.closed for s in backend.bench.opened) and backend.bench.freed

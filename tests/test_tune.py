@@ -642,6 +642,46 @@ def test_tie_goes_to_fewer_registers_then_fewer_threads(recording, wide, tmp_pat
         assert result.runner_ups[0].name == frugal
 
 
+def with_rounds(record: dict, ratios: list[float]) -> None:
+    """Give a recorded variant final-round samples: in round r, its medians times ratios[r], hot and cold."""
+    record["rounds"] = {method: [[record[method]["median_us"] * ratio] * 4 for ratio in ratios]
+                        for method in ("hot", "cold")}
+
+
+@pytest.mark.parametrize("frugal_ratios, tie", [
+    ([1.05, 1.04, 1.06, 1.05, 1.05, 1.03, 1.06, 1.04], False),  # slower in every round: told apart
+    ([1.05, 0.99, 1.06, 1.01, 1.05, 0.98, 1.06, 1.04], True),  # faster in two rounds: not told slower
+])
+def test_the_final_round_tells_finalists_apart_by_paired_rounds_where_it_has_them(
+        recording, wide, tmp_path, wide_census, frugal_ratios, tie):
+    # fast and frugal are 1% apart in their pooled medians, well within the pooled spreads: by spreads a tie,
+    # which goes to frugal. The rounds decide instead, as the benches compare two kernels.
+    fast, frugal = pick_pair(wide_census, "registers")
+    held = by_kernel(recording)
+    for i, k in enumerate(sorted(wide_census)):
+        timed(held[k], 20.0 + i, 0.01)
+        with_rounds(held[k], [1.0] * 8)
+    timed(held[fast], 5.00, 0.25)
+    timed(held[frugal], 5.05, 0.25)
+    with_rounds(held[fast], [1.0] * 8)
+    held[frugal]["rounds"] = {m: [[held[fast][m]["median_us"] * ratio] * 4 for ratio in frugal_ratios]
+                              for m in ("hot", "cold")}
+    path = write_derived(tmp_path, recording)
+    result = run_tune(Recorder(path), wide, tmp_path)
+    assert result.tie_test == "paired rounds"
+    assert result.tie is tie and result.winner.name == (frugal if tie else fast)
+    entry = result.entry(OP, SHAPE, RUN, recording["gpu"], "hot")
+    over = {r["kernel"]: r["over_winner"] for r in entry["runner_ups"]}
+    loser = fast if tie else frugal
+    expected = sorted(1 / r for r in frugal_ratios) if tie else sorted(frugal_ratios)
+    assert over[loser]["hot"]["low"] == pytest.approx(expected[0])
+    assert over[loser]["hot"]["verdict"] == ("tie" if tie else "slower")
+    for record in by_kernel(recording).values():  # without rounds the same pooled timings tie
+        record.pop("rounds", None)
+    by_spreads = run_tune(Recorder(write_derived(tmp_path, recording)), wide, tmp_path, study_name="spreads")
+    assert by_spreads.tie_test == "spreads" and by_spreads.tie and by_spreads.winner.name == frugal
+
+
 @pytest.mark.parametrize("objective", ["hot", "cold"])
 def test_a_tie_on_the_objective_goes_to_the_faster_on_the_other_method_before_fewer_registers(
         recording, wide, tmp_path, wide_census, objective):
