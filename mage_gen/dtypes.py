@@ -86,18 +86,23 @@ class E4M3Type(DType):
 
     def round(self, values: np.ndarray) -> np.ndarray:
         """To the nearest e4m3 code, ties to the even code, as torch's .to(torch.float8_e4m3fn) rounds: a magnitude
-        past the largest finite value (448, infinities too) saturates to it; NaN stays NaN."""
-        values = np.asarray(values, dtype=np.float64)
+        past the largest finite value (448, infinities too) saturates to it; NaN stays NaN. float32 values are
+        rounded from their own bits, anything else from float64's: one rounding either way."""
+        values = np.asarray(values)
+        if values.dtype != np.float32:
+            values = values.astype(np.float64)
+        unsigned, width, mantissa, bias = ((np.uint32, 32, 23, 127) if values.dtype == np.float32
+                                           else (np.uint64, 64, 52, 1023))
+        magnitude_bits = values.view(unsigned) & unsigned((1 << (width - 1)) - 1)
+        shift = unsigned(mantissa - 3)
+        # to nearest even at the three mantissa bits kept: a carry moves into the exponent, as it should
+        kept = (magnitude_bits + unsigned((1 << (mantissa - 4)) - 1) + ((magnitude_bits >> shift) & unsigned(1))) >> shift
+        code = kept.astype(np.int32) - np.int32((bias - 7) << 3)  # the exponent's bias from the source's to e4m3's 7
         magnitude = np.abs(values)
-        finite = _E4M3_VALUES[:0x7F]  # the non-negative codes 0..0x7E, ascending
-        upper = np.clip(np.searchsorted(finite, magnitude), 1, len(finite) - 1)
-        below, above = finite[upper - 1], finite[upper]
-        nearer_above = (magnitude - below > above - magnitude) | ((magnitude - below == above - magnitude)
-                                                                   & (upper % 2 == 0))
-        code = np.where(nearer_above, upper, upper - 1).astype(np.uint8)
-        code = np.where(magnitude <= finite[-1], code, np.uint8(0x7E))
-        code = np.where(np.isnan(values), np.uint8(0x7F), code)
-        return np.where(np.signbit(values), code | np.uint8(0x80), code).astype(np.uint8)
+        # below e4m3's least normal (2⁻⁶) its codes are multiples of 2⁻⁹; rint rounds halves to even
+        code = np.where(magnitude < 2.0**-6, np.rint(magnitude * 512), code)
+        code = np.where(np.isnan(values), 0x7F, np.minimum(code, 0x7E)).astype(np.uint8)
+        return np.where(np.signbit(values), code | np.uint8(0x80), code)
 
 
 _E4M3_VALUES = _e4m3_values()

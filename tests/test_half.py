@@ -136,6 +136,26 @@ def test_e4m3_codes_widen_to_their_values_and_round_to_nearest_even_saturating()
         0x38, 0x3A, 0x39, 0x7E, 0x7E, 0xFE, 0x7F]
 
 
+@pytest.mark.parametrize("width", [np.float32, np.float64])
+def test_e4m3_rounds_every_code_its_midpoints_and_their_neighbours_to_the_nearest_even_code(width):
+    from mage_gen.dtypes import E4M3
+
+    finite = E4M3.widen(np.arange(0x7F, dtype=np.uint8)).astype(np.float64)  # codes 0..0x7E, ascending
+    midpoints = (finite[:-1] + finite[1:]) / 2
+    nudged = np.concatenate([midpoints * (1 - 2.0**-20), midpoints * (1 + 2.0**-20), [2.0**-10, 2.0**-10 * 3]])
+    values = np.concatenate([finite, midpoints, nudged, [449.0, 480.0, 1e30, 2.0**-30, 0.0]])
+    values = np.concatenate([values, -values]).astype(width)
+    # the oracle: the nearest finite code by value, the even one of two equally near; past 448, 448
+    magnitude = np.abs(values.astype(np.float64))
+    distance = np.abs(magnitude[:, None] - finite[None, :])
+    nearest = distance.min(axis=1, keepdims=True)
+    candidates = np.where(distance == nearest, np.arange(0x7F)[None, :], 1 << 10)
+    even = np.where(candidates % 2 == 0, candidates, 1 << 10).min(axis=1)
+    code = np.where(even < 1 << 10, even, candidates.min(axis=1))
+    code = np.where(magnitude > 448, 0x7E, code) | np.where(np.signbit(values), 0x80, 0)
+    assert E4M3.round(values).tolist() == code.tolist()
+
+
 def test_e4m3_rounds_as_torch_casts():
     torch = pytest.importorskip("torch")
     from mage_gen.dtypes import E4M3
