@@ -2,7 +2,8 @@
 
 Gate: fresh random inputs for every check, the output poisoned with NaN and fenced by guard regions,
 the run sizes the op names; relative norm ‖out − ref‖ / ‖ref‖ against the op's tolerance; NaN never passes.
-Then the kernel is checked once more at the size it is timed at, on the timing inputs, before it is timed:
+The fresh inputs and their reference are drawn on the host (GateCases), or on the GPU where the op declares a
+device_case (DeviceCases: a GEMM's weights). Then the kernel is checked once more at the size it is timed at, on the timing inputs, before it is timed:
 their float64 reference is computed once per Bench and the comparison runs on the GPU, so a DRAM-sized run
 costs milliseconds per trial, not seconds of CPU.
 Hot: launches captured in a CUDA graph and replayed, median per launch, inputs L2-warm.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -61,9 +63,10 @@ class Bound:
     once, at the start, and checked to be zero again with the outputs (the kernel must leave them so)."""
 
     def __init__(self, op: Op, shape: Any, params: Any, kernel: gpu.Kernel, run: dict[str, int],
-                 inputs: dict[str, np.ndarray], on_device: dict[str, gpu.Buffer] | None = None,
+                 inputs: dict[str, np.ndarray] | None, on_device: dict[str, gpu.Buffer] | None = None,
                  share_inputs: bool = False, outputs: dict[str, gpu.Buffer] | None = None):
-        """on_device: the inputs already uploaded; each is copied on the device into this run's own buffer
+        """inputs: the host's arrays, or None where on_device holds them alone (a case drawn on the GPU).
+        on_device: the inputs already uploaded; each is copied on the device into this run's own buffer
         (a kernel that writes into an input spoils only its own copy), or with share_inputs read where it is:
         the same memory the peers of a bench read, whose placement moves a DRAM-bound kernel's time by percents
         (bench/NOTES.md, norms §10). outputs: fenced buffers of the outputs (a Placement's) to write into, shared
@@ -76,17 +79,17 @@ class Bound:
         self.buffers: dict[str, gpu.Buffer] = {}
         self.working = {arg.name: arg for arg in launch_args(op, shape, params) if arg.kind in WORKING_KINDS}
         self._borrowed: set[str] = set()  # inputs read in place, freed by their owner
-        if share_inputs and on_device is None:
-            raise ValueError("share_inputs needs the inputs on the device (on_device)")
+        if (share_inputs or inputs is None) and on_device is None:
+            raise ValueError("share_inputs, or inputs not given, needs the inputs on the device (on_device)")
         try:
-            for name, array in inputs.items():
+            for name, held in (inputs if inputs is not None else on_device).items():
                 if share_inputs:
                     self.buffers[name] = on_device[name]
                     self._borrowed.add(name)
                     continue
-                self.buffers[name] = gpu.Buffer(array.nbytes)
+                self.buffers[name] = gpu.Buffer(held.nbytes)
                 if on_device is None:
-                    self.buffers[name].upload(array)
+                    self.buffers[name].upload(held)
                 else:
                     self.buffers[name].copy_from(on_device[name])
             for name, out_shape in self.output_shapes.items():
@@ -162,11 +165,16 @@ class Bound:
                 complaints.append(f"wrote {changed} elements outside {name}")
             storage = self.output_dtypes[name].storage
             results[name] = raw[guard:-guard].view(storage).reshape(out_shape)
+        return results, complaints + self.working_complaints()
+
+    def working_complaints(self) -> list[str]:
+        """A complaint for every working buffer the kernel must leave zero and did not."""
+        complaints = []
         for name, arg in self.working.items():
             if arg.kind == "zeroed" and (left := int(np.count_nonzero(self.buffers[name].download(np.uint32)))):
                 complaints.append(f"left {left} of the {arg.elements} words of {name} not zero (the kernel must leave "
                                   "them zero for its next launch)")
-        return results, complaints
+        return complaints
 
     def free(self) -> None:
         for name, buf in self.buffers.items():
@@ -217,6 +225,81 @@ class GateCases:
         self._next.clear()
 
 
+class TensorMemory:
+    """A torch tensor's device memory, read as a gpu.Buffer is (.ptr, .nbytes) with its elements (.size); the
+    memory goes with the tensor, after free() drops it."""
+
+    def __init__(self, tensor: Any):
+        self.tensor = tensor.contiguous()
+        self.ptr, self.size = self.tensor.data_ptr(), self.tensor.numel()
+        self.nbytes = self.size * self.tensor.element_size()
+
+    def free(self) -> None:
+        self.tensor = None
+
+
+@dataclass
+class DeviceCase:
+    """A gate case drawn on the GPU: the inputs, and their float64 reference to compare outputs with there."""
+
+    inputs: dict[str, TensorMemory]
+    reference: DeviceReference
+
+    def free(self) -> None:
+        for memory in self.inputs.values():
+            memory.free()
+        self.reference.free()
+
+
+def output_tolerances(op: Op, shape: Any) -> dict[str, float]:
+    return {name: op.tolerance_of(shape, name, dtype) for name, dtype in op.output_dtypes(shape).items()}
+
+
+class DeviceCases:
+    """The gate's cases drawn on the GPU by the op's device_case (ops.base.OpFamily), each used by one check alone:
+    a GEMM's weights take seconds to draw and multiply on the host, milliseconds there. Each run size draws from its
+    own stream of the generator, which seeds torch's, so a seed fixes every case as it does GateCases'."""
+
+    def __init__(self, op: Op, shape: Any, rng: np.random.Generator):
+        self.op, self.shape, self.rng = op, shape, rng
+        self._streams: dict[tuple, np.random.Generator] = {}
+        self._draw = op.device_case.resolve()
+
+    def take(self, run: dict[str, int]) -> DeviceCase:
+        import torch
+
+        key = tuple(run.items())
+        if key not in self._streams:
+            self._streams[key] = self.rng.spawn(1)[0]
+        seed = int(self._streams[key].integers(1 << 62))
+        with timing_lock:
+            inputs, reference = self._draw(self.shape, run, seed, "cuda")
+            torch.cuda.synchronize()  # drawn on torch's stream; read on ours
+        return DeviceCase({name: TensorMemory(t) for name, t in inputs.items()},
+                          DeviceReference({name: TensorMemory(t) for name, t in reference.items()},
+                                          self.op.output_dtypes(self.shape), output_tolerances(self.op, self.shape)))
+
+    def close(self) -> None:
+        pass
+
+
+# Set, the gate draws every op's cases on the host (GateCases), where an op would have them drawn on the GPU.
+HOST_CASES_ENV = "MAGE_GEN_HOST_CASES"
+
+
+def gate_cases(op: Op, shape: Any, rng: np.random.Generator) -> GateCases | DeviceCases:
+    """Where a bench's gate draws its cases: on the GPU where the op has a device_case and torch sees the GPU (and
+    MAGE_GEN_HOST_CASES is not set), else on the host, each drawn ahead of the check that takes it."""
+    if op.device_case is not None and not os.environ.get(HOST_CASES_ENV):
+        try:
+            import torch
+        except ImportError:
+            torch = None
+        if torch is not None and torch.cuda.is_available():
+            return DeviceCases(op, shape, rng)
+    return GateCases(op, shape, rng, ahead=True)
+
+
 def _hang_or(op: Op, params: Any, exc: Exception, seconds: float) -> str:
     """A launch that failed after its waits' watchdog would have fired (an op whose kernels trap a wait that never
     completes declares watchdog_s) was a hang; any other failure is what the driver said."""
@@ -228,44 +311,54 @@ def _hang_or(op: Op, params: Any, exc: Exception, seconds: float) -> str:
 
 
 def gate(op: Op, shape: Any, params: Any, kernel: gpu.Kernel, run: dict[str, int],
-         rng: np.random.Generator, stream: gpu.Stream, cases: GateCases | None = None) -> GateResult:
-    """cases: where the fresh cases come from (a Bench draws them ahead); drawn from rng when not given."""
+         rng: np.random.Generator, stream: gpu.Stream, cases: GateCases | DeviceCases | None = None) -> GateResult:
+    """cases: where the fresh cases come from (a Bench's, gate_cases); drawn on the host from rng when not given."""
     cases = cases or GateCases(op, shape, rng)
     errors: dict[str, float] = {}
     host = 0.0
     for gate_run in op.gate_runs(shape, run, params):
         key = ",".join(f"{k}={v}" for k, v in gate_run.items()) or "fixed"
-        bound = None
+        bound = case = None
         launched = time.perf_counter()
         try:
             started = time.perf_counter()
-            inputs, reference = cases.take(gate_run)
+            case = cases.take(gate_run)
             host += time.perf_counter() - started
-            bound = Bound(op, shape, params, kernel, gate_run, inputs)
+            on_device = isinstance(case, DeviceCase)
+            bound = (Bound(op, shape, params, kernel, gate_run, None, on_device=case.inputs) if on_device
+                     else Bound(op, shape, params, kernel, gate_run, case[0]))
             bound.poison(stream)
             launched = time.perf_counter()
             bound.enqueue(stream.handle)
             stream.synchronize()
-            outputs, complaints = bound.outputs()
-            started = time.perf_counter()
-            err, reason = (float("inf"), "; ".join(complaints)) if complaints else \
-                compare_outputs(op, shape, outputs, reference)
-            host += time.perf_counter() - started
+            if on_device:
+                err, reason = case.reference.compare(bound, stream)
+            else:
+                outputs, complaints = bound.outputs()
+                started = time.perf_counter()
+                err, reason = (float("inf"), "; ".join(complaints)) if complaints else \
+                    compare_outputs(op, shape, outputs, case[1])
+                host += time.perf_counter() - started
         except GpuError as exc:
-            if bound is not None:
-                with contextlib.suppress(GpuError):  # a lost context refuses even this; the fault is the news
-                    bound.free()
+            with contextlib.suppress(GpuError):  # a lost context refuses even this; the fault is the news
+                _free(bound, case)
             return GateResult(False, f"{gate_run}: {_hang_or(op, params, exc, time.perf_counter() - launched)}",
                               float("inf"), errors, fault=True, host_s=host)
         except BaseException:
-            if bound is not None:
-                bound.free()
+            _free(bound, case)
             raise
-        bound.free()
+        _free(bound, case)
         errors[key] = err
         if reason:
             return GateResult(False, f"{gate_run}: {reason}", err, errors, host_s=host)
     return GateResult(True, "", max(errors.values()), errors, host_s=host)
+
+
+def _free(bound: Bound | None, case: Any) -> None:
+    if bound is not None:
+        bound.free()
+    if isinstance(case, DeviceCase):
+        case.free()
 
 
 class DeviceReference:
@@ -273,20 +366,25 @@ class DeviceReference:
 
     _BLOCK = 256
 
-    def __init__(self, reference: dict[str, np.ndarray], dtypes: dict[str, DType], tolerances: dict[str, float]):
-        """dtypes: each output's element type, as the kernel writes it; tolerances: the op's for each output."""
+    def __init__(self, reference: dict[str, Any], dtypes: dict[str, DType], tolerances: dict[str, float]):
+        """reference: each output's, a host array (uploaded here) or float64 memory already on the device (a
+        DeviceCase's TensorMemory: .ptr, .size, .free()); dtypes: each output's element type, as the kernel writes
+        it; tolerances: the op's for each output."""
         self.dtypes, self.tolerances = dtypes, tolerances
         self.sizes = {name: int(ref.size) for name, ref in reference.items()}
-        self.buffers: dict[str, gpu.Buffer] = {}
+        self.buffers: dict[str, Any] = {}
         self._sums, self._bad = gpu.Buffer(16), gpu.Buffer(8)
         for name, ref in reference.items():
-            self.buffers[name] = gpu.Buffer(ref.size * 8)
-            self.buffers[name].upload(np.ascontiguousarray(ref, dtype=np.float64))
+            if isinstance(ref, np.ndarray):
+                self.buffers[name] = gpu.Buffer(ref.size * 8)
+                self.buffers[name].upload(np.ascontiguousarray(ref, dtype=np.float64))
+            else:
+                self.buffers[name] = ref
 
     def compare(self, bound: Bound, stream: gpu.Stream) -> tuple[float, str]:
-        """(relative error, reason it failed or ''), as compare_outputs judges: a written fence or any NaN or
-        infinite output fails."""
-        complaints = bound.fence_complaints()
+        """(relative error, reason it failed or ''), as compare_outputs judges: a written fence, a working buffer
+        not left zero, or any NaN or infinite output fails."""
+        complaints = bound.fence_complaints() + bound.working_complaints()
         if complaints:
             return float("inf"), "; ".join(complaints)
         return self.compare_at({name: bound.buffers[name].ptr + GUARD_BYTES for name in self.buffers},
@@ -587,7 +685,7 @@ class Bench:
         self.stream = gpu.Stream()
         self.rng = np.random.default_rng(seed)
         _use_the_gpu_for_large_references()
-        self.cases = GateCases(op, shape, self.rng, ahead=True)
+        self.cases = gate_cases(op, shape, self.rng)
         self._timing_inputs: dict[str, np.ndarray] | None = inputs
         self._timing_on_device: dict[str, gpu.Buffer] | None = None
         self._timing_reference: DeviceReference | None = None
@@ -608,10 +706,9 @@ class Bench:
         """The float64 reference of the timing inputs, computed once and kept on the GPU."""
         if self._timing_reference is None:
             inputs = self.timing_inputs()
-            dtypes = self.op.output_dtypes(self.shape)
             self._timing_reference = DeviceReference(
-                self.op.reference(self.shape, inputs, self.op.scalars(self.shape, self.run)), dtypes,
-                {name: self.op.tolerance_of(self.shape, name, dtype) for name, dtype in dtypes.items()})
+                self.op.reference(self.shape, inputs, self.op.scalars(self.shape, self.run)),
+                self.op.output_dtypes(self.shape), output_tolerances(self.op, self.shape))
         return self._timing_reference
 
     def timing_buffers(self) -> dict[str, gpu.Buffer]:

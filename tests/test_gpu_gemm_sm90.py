@@ -262,6 +262,60 @@ def test_a_large_reference_is_computed_on_the_gpu_and_agrees_with_numpy(device):
                            atol=1e-12), dtype.name
 
 
+# (shape fields, params): a plain product at a tail, fp8 with per-tensor and with block scales, every epilogue term
+DRAWN_ON_THE_GPU = [({}, {}), ({"precision": "e4m3"}, {}), ({"precision": "e4m3_block"}, {}),
+                    ({"bias": True, "residual": True, "gate": "silu"}, {"epilogue": "tma", "bn": 256})]
+
+
+@pytest.mark.parametrize("fields, values", DRAWN_ON_THE_GPU,
+                         ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()) or "-")
+def test_a_case_drawn_on_the_gpu_is_the_host_reference_of_its_inputs_and_gates_as_the_host_does(
+        device, stream, fields, values):
+    import numpy as np
+
+    from mage_gen.device_cases import gemm_sm90_case
+    from mage_gen.measure import DeviceCases
+
+    shape = OP.shape(m=1025, n=1040 if "gate" in fields else 1033, k=1041, **fields)
+    drawn, reference = gemm_sm90_case(shape, {}, seed=11)
+    host = OP.make_inputs(shape, {}, np.random.default_rng(11))
+    inputs = {name: t.cpu().numpy().view(host[name].dtype) for name, t in drawn.items()}
+    expected = OP.reference(shape, inputs, OP.scalars(shape, {}))["C"]
+    assert np.allclose(reference["C"].cpu().numpy(), expected, rtol=1e-12, atol=1e-12 * np.abs(expected).max())
+
+    params = OP.params_from_dict({"grid": device.sms, **values})
+    cases = DeviceCases(OP, shape, np.random.default_rng(0))
+    assert gate_with_cases(device, stream, shape, cases, params).passed
+    wrong = gate_with_cases(device, stream, shape, cases, dataclasses.replace(params, plant="swizzle"))
+    assert not wrong.passed and "relative error" in wrong.reason, wrong.reason
+
+
+def test_the_gate_on_cases_drawn_on_the_gpu_fails_a_split_k_kernel_that_does_not_reset_its_counters(device, stream):
+    import numpy as np
+
+    from mage_gen.measure import DeviceCases
+
+    shape = OP.shape(m=1025, n=1033, k=1041)
+    cases = DeviceCases(OP, shape, np.random.default_rng(0))
+    params = OP.params_from_dict({"bm": 64, "bn": 64, "consumers": 1, "split_k": 2, "grid": device.sms})
+    assert gate_with_cases(device, stream, shape, cases, params).passed
+    result = gate_with_cases(device, stream, shape, cases, dataclasses.replace(params, plant="split_reset"))
+    assert not result.passed and "words of counters not zero" in result.reason, result.reason
+
+
+def gate_with_cases(device, stream, shape, cases, params):
+    from mage_gen import gpu
+    from mage_gen.measure import gate
+
+    variant = build(OP, shape, params, device.arch)
+    kernel = gpu.Kernel(variant.compiled.cubin, variant.source.kernel_name,
+                        OP.geometry(shape, params, {}).dynamic_shared_bytes)
+    try:
+        return gate(OP, shape, params, kernel, {}, None, stream, cases)
+    finally:
+        kernel.unload()
+
+
 @pytest.mark.parametrize("plant", ["swizzle", "sbo"])
 def test_the_gate_rejects_a_wrong_descriptor(device, stream, plant):
     shape = OP.shape(m=1024, n=1032, k=1040)

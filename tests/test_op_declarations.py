@@ -92,6 +92,14 @@ def test_a_peer_builder_resolves_to_a_function_that_takes_what_make_peers_passes
     inspect.signature(builder).bind("shape", {}, 1e-5, False, lambda n, d: None, lambda *a: None)
 
 
+@pytest.mark.parametrize("name", [name for name, op in OPS.items() if op.device_case is not None])
+def test_a_device_case_resolves_to_a_function_that_takes_what_the_gate_passes(name):
+    pytest.importorskip("torch")
+    op = get_op(name)
+    assert isinstance(op.device_case, LazyFunction) and op.device_case.module == "mage_gen.device_cases"
+    inspect.signature(op.device_case.resolve()).bind("shape", {}, 7, "cuda")
+
+
 def test_every_op_has_peers_and_the_norms_name_their_own_torch_function_and_triton_kernel():
     assert all(op.peer_builder is not None for op in OPS.values())
     bound = {name: dict(OPS[name].peer_builder.bound) for name in ("layernorm", "rmsnorm")}

@@ -200,6 +200,10 @@ class OpFamily:
     # the builder of mage_gen.peers that makes what this op's kernels are timed against, called as
     # (shape, inputs, eps, inductor, tensor_of, output_of) -> {family: [peer, ...] or why it is missing}; None: none
     peer_builder: LazyFunction | None = None
+    # the builder of mage_gen.device_cases that draws the gate's cases on the GPU, called as (shape, run, seed,
+    # device) -> (inputs, float64 reference), torch tensors laid out as make_inputs and reference give them; None:
+    # drawn on the host (measure.GateCases), as every op whose cases a trial draws in a small share of its time is
+    device_case: LazyFunction | None = None
     # where nothing is tuned for a shape, the params the runtime tries, in order, each over op.defaults(shape): the
     # first the op accepts runs
     default_candidates: tuple[Mapping[str, Any], ...] = ({},)
@@ -340,6 +344,7 @@ def launch_args(op: Any, shape: Any, params: Any) -> tuple[Arg, ...]:
 class Op(Protocol):
     name: str
     peer_builder: LazyFunction | None  # OpFamily's declarations
+    device_case: LazyFunction | None
     default_candidates: tuple[Mapping[str, Any], ...]
     torch_name: str | None
     runtime_name: str | None

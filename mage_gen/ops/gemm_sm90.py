@@ -74,6 +74,7 @@ from mage_gen.render import Source, render
 
 PRECISIONS = ("bf16", "e4m3", "e4m3_block")
 ELEMENTS = {"bf16": BFLOAT16, "e4m3": E4M3, "e4m3_block": E4M3}  # what A and B hold, by precision
+SCALE_RANGE = (0.5, 2.0)  # what the gate's scales are drawn from
 SCALE_BLOCK = 128  # e4m3_block: a scale per row and 128 of K for A, per 128×128 block for B (DeepGEMM's layout)
 OUTPUTS = {"bf16": BFLOAT16, "fp32": FLOAT32}
 GATES = ("none", "silu")  # silu: C = silu(A·B_gateᵀ) ⊙ A·B_upᵀ, B the two halves' rows stacked
@@ -377,6 +378,13 @@ def _epilogue_slug(shape: Shape, sep: str) -> str:
     return "".join(sep + part for part in parts)
 
 
+def input_sizes(shape: Shape) -> tuple[float, float]:
+    """(the spread of A's and B's values, that of a bias's and a residual's): e4m3 normal values times 8, most codes'
+    exponents in use; a bias and a residual as large as the product's elements (spread² · √K)."""
+    spread = 8.0 if shape.precision == "e4m3" else 1.0
+    return spread, spread ** 2 * shape.k ** 0.5
+
+
 def _epilogue64(shape: Shape, c: np.ndarray, inputs: dict[str, np.ndarray]) -> np.ndarray:
     """The product as the epilogue finishes it, in float64: + bias, the gate, + residual."""
     out = OUTPUTS[shape.c_dtype]
@@ -552,6 +560,7 @@ class GemmSm90(OpFamily):
     shape_options = ("precision", "c_dtype", "b_layout", "gate", "bias", "residual")
     min_arch = 90
     peer_builder = LazyFunction("mage_gen.peers", "strided_bf16_gemm_peers")
+    device_case = LazyFunction("mage_gen.device_cases", "gemm_sm90_case")
     runtime_name = "mage_gen.runtime.gemm"
     torch_name = "mage_gen.torch.linear"
     class_dims = ("m",)  # a model calls a layer's (N, K) at every token count: its entries are classes over M
@@ -754,7 +763,7 @@ class GemmSm90(OpFamily):
         normal values times 8 (most codes' exponents in use) and scales drawn from 0.5-2. A bias and a residual as
         large as the product's elements (spread² · √K), so that one left out fails the gate."""
         element = shape.element
-        spread = 8.0 if shape.precision == "e4m3" else 1.0
+        spread, size = input_sizes(shape)
 
         def rows(count: int, length: int, stride: int, element: DType, size: float) -> np.ndarray:
             held = np.empty((count, stride), dtype=element.storage)
@@ -771,9 +780,9 @@ class GemmSm90(OpFamily):
         inputs = {"A": rows(shape.m, shape.k, shape.lda, element, spread),
                   "B": rows(*b, shape.ldb, element, spread)}
         if shape.precision != "bf16":
-            inputs.update({name: rng.uniform(0.5, 2.0, size).astype(np.float32)
-                           for name, size in _scale_shapes(shape).items()})
-        out, size = OUTPUTS[shape.c_dtype], spread ** 2 * shape.k ** 0.5
+            inputs.update({name: rng.uniform(*SCALE_RANGE, dims).astype(np.float32)
+                           for name, dims in _scale_shapes(shape).items()})
+        out = OUTPUTS[shape.c_dtype]
         if shape.bias:
             inputs["bias"] = out.round(np.float32(size) * rng.standard_normal(shape.n, dtype=np.float32))
         if shape.residual:
