@@ -66,7 +66,7 @@ def load_space(op: Op, preset: str | None = None, shape: Any = None, sms: int | 
     if preset not in presets:
         raise ConfigError(f"preset: unknown preset {preset!r} for {op.name}; use one of {', '.join(presets)}")
     axes = dict(spec["axes"])
-    for name, values in presets[preset].items():
+    for name, values in _narrowed(presets, preset, path.name).items():
         if name not in axes:
             raise ConfigError(f"space: preset {preset} of {path.name} narrows unknown axis {name!r}")
         axes[name] = values
@@ -79,6 +79,21 @@ def load_space(op: Op, preset: str | None = None, shape: Any = None, sms: int | 
     if shape is not None:
         fitted = op.fit_space(shape, fitted)
     return Space(op=op.name, preset=preset, axes=tuple(fitted.items()), first=_first(path, spec), needs_sms=needs_sms)
+
+
+def _narrowed(presets: dict[str, Any], preset: str, spec_name: str) -> dict[str, Any]:
+    """The axes a preset narrows: those of the preset it names as its `base` (and so on down), then its own."""
+    chain = [preset]
+    while (base := presets[chain[-1]].get("base")) is not None:
+        if base not in presets or base in chain:
+            why = "is not a preset" if base not in presets else "leads back to itself"
+            raise ConfigError(f"space: the base {base!r} of preset {chain[-1]} in {spec_name} {why}; name another "
+                              f"preset of the spec ({', '.join(presets)})")
+        chain.append(base)
+    narrowed: dict[str, Any] = {}
+    for name in reversed(chain):
+        narrowed.update({axis: values for axis, values in presets[name].items() if axis != "base"})
+    return narrowed
 
 
 def default_preset(op: Op, shape: Any = None) -> str:

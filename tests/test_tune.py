@@ -522,6 +522,25 @@ def test_a_default_by_size_rule_the_spec_cannot_hold_is_a_one_line_error(tmp_pat
         load_space(gemm, None, gemm.shape(m=4096, n=64, k=64))
 
 
+def test_a_preset_with_a_base_narrows_the_base_s_axes_then_its_own():
+    gemm = get_op("gemm_sm90")
+    skinny, chained = (dict(load_space(gemm, preset).axes) for preset in ("skinny", "skinny_chains"))
+    assert chained["chains"] == (1, 2) and skinny["chains"] == (1,)
+    assert {axis: v for axis, v in chained.items() if axis != "chains"} == \
+        {axis: v for axis, v in skinny.items() if axis != "chains"}
+    assert "base" not in chained
+
+
+@pytest.mark.parametrize("base, why", [("narrow", "is not a preset"), ("skinny_chains", "leads back to itself")])
+def test_a_base_that_is_no_preset_or_leads_back_is_a_one_line_error(tmp_path, monkeypatch, base, why):
+    spec = (Path(__file__).parents[1] / "search" / "gemm_sm90.toml").read_text()
+    (tmp_path / "search").mkdir()
+    (tmp_path / "search" / "gemm_sm90.toml").write_text(spec.replace('base = "skinny"', f'base = "{base}"', 1))
+    monkeypatch.setattr("mage_gen.space.data_dir", lambda name: tmp_path / name)
+    with pytest.raises(ConfigError, match=rf"^space: the base '{base}' of preset skinny_chains in gemm_sm90.toml {why}"):
+        load_space(get_op("gemm_sm90"), "skinny_chains")
+
+
 def test_an_exhaustive_search_measures_the_stored_winner_first_then_the_rest_once_each(recording_path, small,
                                                                                       tmp_path):
     valid, _ = expand(OP, SHAPE, small)
