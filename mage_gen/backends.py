@@ -201,5 +201,6 @@ class ReplayBackend:
                 dropped[r["kernel"]] = r["gate"]["reason"]
         peers = self.recording.get("peers", {})
         for name, p in peers.items():
-            timings[name] = {"hot": Timing.from_dict(p["hot"]), "cold": Timing.from_dict(p["cold"])}
+            timings[name] = {"hot": Timing.from_dict(p["hot"]), "cold": Timing.from_dict(p["cold"]),
+                             **({"rounds": p["rounds"]} if "rounds" in p else {})}
         return timings, {name: p.get("config", {}) for name, p in peers.items()}, dropped

@@ -546,6 +546,10 @@ def _print_result(op: Op, result: Any, objective: str, note: str = "") -> None:
                       f"{by_objective(p['hot'], p['cold'], objective).spread_us:.2f}",
                       f"{p['cold'].median_us:.2f}", "", *("" for _ in peers))
     out.print(table)
+    for peer in peers:
+        if over := result.winner_over_peer(peer):
+            out.print(f"winner's time over {peer}'s by paired rounds: " + ", ".join(
+                f"{m} {r.median:.3f} [{r.low:.3f}, {r.high:.3f}] {r.verdict}" for m, r in over.items()), markup=False)
     if note:
         out.print(note, markup=False)
     c = result.winner.census

@@ -145,13 +145,22 @@ class TuneResult:
         }
 
 
+    def winner_over_peer(self, peer: str) -> dict[str, RoundRatio]:
+        """The winner's time over the peer's by paired rounds, hot and cold; {} where the round kept no rounds."""
+        mine, theirs = self.winner.rounds, self.peers[peer].get("rounds")
+        if mine is None or theirs is None:
+            return {}
+        return {m: round_ratio(mine[m], theirs[m]) for m in ("hot", "cold")}
+
     def final_round(self, op: Op, objective: str) -> dict[str, Any]:
         """The finalists re-timed beside the peers, and what ranked them (kept on the study too)."""
         w = self.winner
         return {
             "objective": objective,
             "timings": {"hot": w.hot.to_dict(), "cold": w.cold.to_dict()},
-            "peers": {name: {"hot": p["hot"].to_dict(), "cold": p["cold"].to_dict(), "config": p["config"]}
+            "peers": {name: {"hot": p["hot"].to_dict(), "cold": p["cold"].to_dict(), "config": p["config"],
+                             **({"winner_over_peer": {m: r.to_dict() for m, r in over.items()}}
+                                if (over := self.winner_over_peer(name)) else {})}
                       for name, p in self.peers.items()},
             "tie": self.tie, "tied_with": self.tied_with, "tie_test": self.tie_test,
             "runner_ups": [{"kernel": f.name, "params": op.params_to_dict(f.params), "registers": f.registers,

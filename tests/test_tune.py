@@ -19,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import optuna
 import pytest
 
@@ -695,7 +696,17 @@ def test_the_final_round_tells_finalists_apart_by_paired_rounds_where_it_has_the
     expected = sorted(1 / r for r in frugal_ratios) if tie else sorted(frugal_ratios)
     assert over[loser]["hot"]["low"] == pytest.approx(expected[0])
     assert over[loser]["hot"]["verdict"] == ("tie" if tie else "slower")
-    for record in by_kernel(recording).values():  # without rounds the same pooled timings tie
+    # the winner against each peer timed in the same rounds, by those rounds: the peer 5.5 µs hot in every round
+    for name, peer in recording["peers"].items():
+        peer["rounds"] = {m: [[5.5 * (1 if m == "hot" else 2)] * 4] * 8 for m in ("hot", "cold")}
+    result = run_tune(Recorder(write_derived(tmp_path, recording)), wide, tmp_path, study_name="peers")
+    entry = result.entry(OP, SHAPE, RUN, recording["gpu"], "hot")
+    for name in recording["peers"]:
+        over = entry["peers"][name]["winner_over_peer"]["hot"]
+        expected = float(np.median([np.median(r) / 5.5 for r in result.winner.rounds["hot"]]))
+        assert over["median"] == pytest.approx(expected) and over["verdict"] == "faster"
+    for record in [*by_kernel(recording).values(), *recording["peers"].values()]:  # without rounds: spreads
+        record.pop("rounds", None)
         record.pop("rounds", None)
     by_spreads = run_tune(Recorder(write_derived(tmp_path, recording)), wide, tmp_path, study_name="spreads")
     assert by_spreads.tie_test == "spreads" and by_spreads.tie and by_spreads.winner.name == frugal
