@@ -96,7 +96,8 @@ class E4M3Type(DType):
         magnitude_bits = values.view(unsigned) & unsigned((1 << (width - 1)) - 1)
         shift = unsigned(mantissa - 3)
         # to nearest even at the three mantissa bits kept: a carry moves into the exponent, as it should
-        kept = (magnitude_bits + unsigned((1 << (mantissa - 4)) - 1) + ((magnitude_bits >> shift) & unsigned(1))) >> shift
+        odd = (magnitude_bits >> shift) & unsigned(1)
+        kept = (magnitude_bits + unsigned((1 << (mantissa - 4)) - 1) + odd) >> shift
         code = kept.astype(np.int32) - np.int32((bias - 7) << 3)  # the exponent's bias from the source's to e4m3's 7
         magnitude = np.abs(values)
         # below e4m3's least normal (2⁻⁶) its codes are multiples of 2⁻⁹; rint rounds halves to even

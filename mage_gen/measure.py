@@ -3,9 +3,9 @@
 Gate: fresh random inputs for every check, the output poisoned with NaN and fenced by guard regions,
 the run sizes the op names; relative norm ‖out − ref‖ / ‖ref‖ against the op's tolerance; NaN never passes.
 The fresh inputs and their reference are drawn on the host (GateCases), or on the GPU where the op declares a
-device_case (DeviceCases: a GEMM's weights). Then the kernel is checked once more at the size it is timed at, on the timing inputs, before it is timed:
-their float64 reference is computed once per Bench and the comparison runs on the GPU, so a DRAM-sized run
-costs milliseconds per trial, not seconds of CPU.
+device_case (DeviceCases: a GEMM's weights). Then the kernel is checked once more at the size it is timed at, on
+the timing inputs, before it is timed: their float64 reference is computed once per Bench and the comparison runs
+on the GPU, so a DRAM-sized run costs milliseconds per trial, not seconds of CPU.
 Hot: launches captured in a CUDA graph and replayed, median per launch, inputs L2-warm.
 Cold: the L2 flushed by writing a buffer several times its size before each timed launch.
 Either way the GPU is held (hold) while the host queues a sample, so that a sample is the GPU's time alone.
@@ -238,7 +238,7 @@ class TensorMemory:
         self.tensor = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class DeviceCase:
     """A gate case drawn on the GPU: the inputs, and their float64 reference to compare outputs with there."""
 
@@ -252,6 +252,7 @@ class DeviceCase:
 
 
 def output_tolerances(op: Op, shape: Any) -> dict[str, float]:
+    """The gate's bound on each output, at the element type the kernel writes it in."""
     return {name: op.tolerance_of(shape, name, dtype) for name, dtype in op.output_dtypes(shape).items()}
 
 
