@@ -90,3 +90,7 @@ def test_a_short_study_through_the_worker_finds_a_winner(worker, tmp_path):
     assert result.winner.hot.samples == result.winner.cold.samples == FINAL_ROUNDS * FINAL_PER_ROUND
     for name, peer in result.peers.items():
         assert len(peer["config"]["at the other placements"]) == FINAL_PLACEMENTS - 1, name
+    # finalists told apart by the rounds they were timed in together, the winner against each peer too
+    assert result.tie_test == "paired rounds"
+    assert all(len(result.winner.rounds[m]) == FINAL_ROUNDS for m in ("hot", "cold"))
+    assert all(set(result.winner_over_peer(name)) == {"hot", "cold"} for name in result.peers)
