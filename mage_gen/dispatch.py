@@ -28,7 +28,8 @@ CLASS_RULE = ("of the entries equal to the launch's shape in every field but the
               "kernel does with its sums, not its main loop); none: the shape is untuned")
 PEER_RULE = ("mage_gen.torch.linear asked with cublas_where_faster=True (as a patched model's nn.Linear asks) calls "
              "F.linear (cuBLAS) instead of the kernel for a bf16 product whose serving entry was timed slower than "
-             "cuBLAS in its tune's final round, by the tune's objective (hot, cold, or the geometric mean of both)")
+             "cuBLAS in its tune's final round, by the tune's objective (hot, cold, or the geometric mean of both): "
+             "by the median of the rounds' ratios where the entry keeps them, else by the pooled medians")
 SEED_RULE = ("a size class's search measures first its stored winner, then the winners of the tuned shapes nearest to "
              "it on a log scale over every size, whatever their types and epilogue (at one distance, those that "
              "differ from it in the fewest of those fields first), each whose params are valid for it and lie in "
@@ -102,9 +103,13 @@ def peer_faster(entry: dict[str, Any], peer: str = "cublas") -> bool:
     (PEER_RULE); an entry without both timings says no."""
     try:
         objective = entry["objective"]
+        paired = entry["peers"][peer].get("winner_over_peer")
+        if paired:  # the winner's time over the peer's, round by round
+            hot, cold = paired["hot"]["median"], paired["cold"]["median"]
+            return (hot if objective == "hot" else cold if objective == "cold" else (hot * cold) ** 0.5) > 1
         ours, theirs = (by_objective(Timing.from_dict(t["hot"]), Timing.from_dict(t["cold"]), objective)
                         for t in (entry["timings"], entry["peers"][peer]))
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, AttributeError):
         return False
     return theirs.median_us < ours.median_us
 

@@ -217,6 +217,18 @@ def test_cublas_is_faster_by_the_objective_the_tune_ranked_by(objective, faster)
     assert dispatch.peer_faster(_tuned(objective, (10.0, 20.0), (9.0, 30.0))) is faster
 
 
+@pytest.mark.parametrize("objective, hot, cold, faster", [("hot", 1.02, 0.9, True), ("hot", 0.98, 1.2, False),
+                                                            ("cold", 0.9, 1.01, True), ("both", 1.1, 0.95, True),
+                                                            ("both", 1.05, 0.9, False)])
+def test_where_the_entry_keeps_the_rounds_ratios_their_median_decides(objective, hot, cold, faster):
+    # the pooled medians say the opposite of the rounds each time: ours 9 against cuBLAS's 10 where the rounds put
+    # ours slower, and the other way round
+    pooled = (9.0, 9.0) if faster else (11.0, 11.0)
+    entry = _tuned(objective, pooled, (10.0, 10.0))
+    entry["peers"]["cublas"]["winner_over_peer"] = {m: {"median": r} for m, r in (("hot", hot), ("cold", cold))}
+    assert dispatch.peer_faster(entry) is faster
+
+
 def test_an_entry_without_a_cublas_timing_never_says_cublas_is_faster():
     entry = _tuned("hot", (10.0, 20.0), (9.0, 30.0))
     assert not dispatch.peer_faster({**entry, "peers": {"triton": entry["peers"]["cublas"]}})
