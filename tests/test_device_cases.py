@@ -76,3 +76,25 @@ def test_the_gate_draws_on_the_gpu_where_the_op_can_and_torch_sees_one_unless_to
     assert isinstance(measure.gate_cases(norm, norm.shape(d=64), rng), measure.GateCases)
     monkeypatch.setenv(measure.HOST_CASES_ENV, "1")
     assert isinstance(measure.gate_cases(OP, shape, rng), measure.GateCases)
+
+
+@pytest.mark.parametrize("fields, values", [
+    ({"m": 65, "n": 72, "k": 136, "precision": "e4m3"}, {}),
+    ({"m": 33, "n": 80, "k": 73, "bias": True, "residual": True, "gate": "silu"}, {}),
+])
+def test_the_kernel_on_the_interpreter_computes_a_torch_drawn_case_s_reference(fields, values):
+    # the case's inputs as the kernel reads them (their padding, scales and epilogue terms), and its reference as
+    # the gate on the GPU holds the kernel's output to
+    from mage_gen import interp
+    from mage_gen.variants import build
+    from mage_gen.verdict import relative_error
+
+    shape = OP.shape(**fields)
+    drawn, reference = gemm_sm90_case(shape, {}, seed=3, device="cpu")
+    host = OP.make_inputs(shape, {}, np.random.default_rng(3))
+    inputs = {name: t.numpy().view(host[name].dtype) for name, t in drawn.items()}
+    params = OP.params_from_dict({"bm": 64, "bn": 64, "consumers": 1, "stages": 2, "grid": 2, "producer_regs": 0,
+                                  **values})
+    out = interp.launch_with(OP, shape, build(OP, shape, params, "sm_90"), {}, inputs)["C"]
+    err = relative_error(out, reference["C"].numpy())
+    assert err <= OP.tolerance_of(shape, "C", OP.output_dtypes(shape)["C"]), err
