@@ -41,10 +41,33 @@ def share(row: dict, method: str) -> float | None:
     return 1 / ratio["median"] if ratio else None
 
 
-def summarize(rows: list[dict], complete: bool, whole: bool, precision: str = "bf16") -> dict:
+def read_floor(rows: list[dict], l2_bytes: int, element_bytes: int) -> dict:
+    """Where B (the weight) does not fit in L2, the time a read of its bytes takes at the fastest rate any subject
+    reached on such a weight in these rows, hot, and each subject's time over it: an empirical floor of the rows
+    whose time is mostly B's stream from DRAM (bench/NOTES.md, Hopper GEMM §11). {} where no row is such."""
+    def weight_bytes(row: dict) -> int:
+        return row["n"] * row["k"] * element_bytes
+
+    def hot_us(row: dict) -> dict[str, float]:
+        return {name: t["hot"]["median_us"] for name, t in row.get("timings", {}).items() if "hot" in t}
+
+    streamed = [r for r in rows if weight_bytes(r) > l2_bytes and hot_us(r)]
+    if not streamed:
+        return {}
+    rate, row, subject = max(((weight_bytes(r) / us, r, name) for r in streamed for name, us in hot_us(r).items()),
+                             key=lambda reached: reached[0])
+    return {"rate_TBps": rate / 1e6, "reached_by": f"{subject} at {row['model']} {row['layer']} M={row['m']}",
+            "rows": {f"{r['model']} {r['layer']} M={r['m']}": {
+                "floor_us": weight_bytes(r) / rate,
+                **{f"{name} over floor": us * rate / weight_bytes(r) for name, us in hot_us(r).items()}}
+                for r in streamed}}
+
+
+def summarize(rows: list[dict], complete: bool, whole: bool, precision: str = "bf16", l2_bytes: int = 0) -> dict:
     """complete: every case of this run measured; whole: the run's cases are the whole sweep (every model and
     token count), the only run that can meet the targets. A run is of one precision: bf16 rows hold the bf16 targets
-    (against cuBLAS), e4m3 rows the fp8 one (against torch._scaled_mm, the cublas family there)."""
+    (against cuBLAS), e4m3 rows the fp8 one (against torch._scaled_mm, the cublas family there). l2_bytes: the GPU's
+    L2, over which a weight is read from DRAM (read_floor)."""
     hot = [s for s in (share(r, "hot") for r in rows) if s is not None]
     cold = [s for s in (share(r, "cold") for r in rows) if s is not None]
     below = [f"{r['model']} {r['layer']} M={r['m']}" for r in rows if (share(r, "hot") or 0) < FLOOR_TARGET]
@@ -64,7 +87,8 @@ def summarize(rows: list[dict], complete: bool, whole: bool, precision: str = "b
             "measured": sorted({r["measured"] for r in rows if "measured" in r}),
             "untuned": [f"{r['m']}x{r['n']}x{r['k']}" for r in rows if r["chosen"].startswith("untuned")],
             "served by a class tuned at another M": [f"{r['m']}x{r['n']}x{r['k']}" for r in rows
-                                                     if r["chosen"].startswith("class")]}
+                                                     if r["chosen"].startswith("class")],
+            "B read from DRAM": read_floor(rows, l2_bytes, 2 if precision == "bf16" else 1) if l2_bytes else {}}
 
 
 def _earlier_rows(device, name: str, precision: str) -> dict[tuple[str, str, int], dict]:
@@ -116,7 +140,8 @@ def main() -> None:
             # the earlier rows of the shapes not reached stay in the file, for the next --resume to check
             later = [earlier[(mo, la, mm)] for mo, la, mm, _, _ in cases[done - 1:] if (mo, la, mm) in earlier]
             write_result(device, name, json.dumps({**doc, "shapes": rows + later,
-                                                   "summary": summarize(rows + later, False, whole, args.precision)},
+                                                   "summary": summarize(rows + later, False, whole, args.precision,
+                                                                       device.l2_bytes)},
                                                   indent=1) + "\n")
             print(f"stopping before {model} {layer} M={m}: the budget of {args.budget_s:.0f} s would not hold another "
                   "shape; --resume goes on", flush=True)
@@ -147,7 +172,7 @@ def main() -> None:
                        "share": "cuBLAS's time over ours by round, the median of the rounds (paired)",
                        "cublas": "torch.matmul(A, B.t()) with bf16 A, B and C (F.linear's product)"},
             **provenance(device), "precision": args.precision, "shapes": rows,
-            "summary": summarize(rows, done == len(cases), whole, args.precision),
+            "summary": summarize(rows, done == len(cases), whole, args.precision, device.l2_bytes),
         }
         out = write_result(device, name, json.dumps(doc, indent=1) + "\n")
         longest = max(longest, time.monotonic() - started)
