@@ -23,8 +23,9 @@ def _stored(values: torch.Tensor, element: DType) -> torch.Tensor:
     return values.to(getattr(torch, element.name)).view(_BITS[element.itemsize])
 
 
-def _widened(bits: torch.Tensor, element: DType) -> torch.Tensor:
-    """Stored bits as float64, through float32 (which holds every element type here exactly)."""
+def widened(bits: torch.Tensor, element: DType) -> torch.Tensor:
+    """Stored bits as float64, through float32 (which holds every element type here exactly and which every type
+    converts to)."""
     return bits.view(getattr(torch, element.name)).to(torch.float32).to(torch.float64)
 
 
@@ -65,24 +66,24 @@ def gemm_sm90_case(shape: Any, run: dict[str, int], seed: int, device: str = "cu
         inputs["residual"] = rows(shape.m, shape.c_cols, shape.c_cols, out, size)
 
     with torch.no_grad():
-        a = _widened(inputs["A"][:, :shape.k], element)
+        a = widened(inputs["A"][:, :shape.k], element)
         if shape.precision == "e4m3_block":
             blocks = torch.arange(shape.k, device=device) // SCALE_BLOCK
             b_blocks = torch.arange(shape.n, device=device) // SCALE_BLOCK
             a = a * inputs["scale_a"].double()[:, blocks]
-            b = _widened(inputs["B"][:, :shape.k], element) * inputs["scale_b"].double()[b_blocks][:, blocks]
+            b = widened(inputs["B"][:, :shape.k], element) * inputs["scale_b"].double()[b_blocks][:, blocks]
             c = a @ b.T
         else:
-            b = (_widened(inputs["B"][:, :shape.n], element) if shape.b_layout == "kn"
-                 else _widened(inputs["B"][:, :shape.k], element).T)
+            b = (widened(inputs["B"][:, :shape.n], element) if shape.b_layout == "kn"
+                 else widened(inputs["B"][:, :shape.k], element).T)
             c = a @ b
             if shape.precision == "e4m3":  # the scales as the kernel applies them: their fp32 product
                 c = c * float(inputs["scale_a"][0] * inputs["scale_b"][0])
         if shape.bias:
-            c = c + _widened(inputs["bias"], out)
+            c = c + widened(inputs["bias"], out)
         if shape.gate == "silu":
             gate, up = c[:, :shape.c_cols], c[:, shape.c_cols:]
             c = gate / (1 + torch.exp(-gate)) * up
         if shape.residual:
-            c = c + _widened(inputs["residual"], out)
+            c = c + widened(inputs["residual"], out)
     return inputs, {"C": c.contiguous()}

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cache
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -183,7 +183,31 @@ class Bound:
         self.buffers.clear()
 
 
-Case = tuple[dict[str, np.ndarray], dict[str, np.ndarray]]  # fresh inputs, their float64 reference
+class HostCase(NamedTuple):
+    """A gate case drawn on the host: fresh inputs, and their float64 reference the outputs are compared with there."""
+
+    inputs: dict[str, np.ndarray]
+    reference: dict[str, np.ndarray]
+
+    def bind(self, op: Op, shape: Any, params: Any, kernel: gpu.Kernel, run: dict[str, int]) -> Bound:
+        return Bound(op, shape, params, kernel, run, self.inputs)
+
+    def verdict(self, op: Op, shape: Any, bound: Bound, stream: gpu.Stream) -> tuple[float, str]:
+        outputs, complaints = bound.outputs()
+        return (float("inf"), "; ".join(complaints)) if complaints else \
+            compare_outputs(op, shape, outputs, self.reference)
+
+    def free(self) -> None:
+        pass
+
+
+def _stream_of(streams: dict[tuple, np.random.Generator], rng: np.random.Generator,
+               run: dict[str, int]) -> np.random.Generator:
+    """The stream of the generator a run size draws its cases from: its own, spawned from rng at its first case."""
+    key = tuple(run.items())
+    if key not in streams:
+        streams[key] = rng.spawn(1)[0]
+    return streams[key]
 
 
 class GateCases:
@@ -199,24 +223,21 @@ class GateCases:
     def __init__(self, op: Op, shape: Any, rng: np.random.Generator, ahead: bool = False):
         self.op, self.shape, self.rng = op, shape, rng
         self._streams: dict[tuple, np.random.Generator] = {}
-        self._next: dict[tuple, Future[Case]] = {}
+        self._next: dict[tuple, Future[HostCase]] = {}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="gate-cases") if ahead else None
 
-    def take(self, run: dict[str, int]) -> Case:
-        key = tuple(run.items())
+    def take(self, run: dict[str, int]) -> HostCase:
         if self._pool is None:
             return self._draw(run, self.rng)
-        if key not in self._streams:
-            self._streams[key] = self.rng.spawn(1)[0]
-        stream = self._streams[key]
+        key, stream = tuple(run.items()), _stream_of(self._streams, self.rng, run)
         pending = self._next.pop(key, None)
         case = pending.result() if pending is not None else self._draw(run, stream)
         self._next[key] = self._pool.submit(self._draw, run, stream)
         return case
 
-    def _draw(self, run: dict[str, int], rng: np.random.Generator) -> Case:
+    def _draw(self, run: dict[str, int], rng: np.random.Generator) -> HostCase:
         inputs = self.op.make_inputs(self.shape, run, rng)
-        return inputs, self.op.reference(self.shape, inputs, self.op.scalars(self.shape, run))
+        return HostCase(inputs, self.op.reference(self.shape, inputs, self.op.scalars(self.shape, run)))
 
     def close(self) -> None:
         """Drops the cases drawn ahead; one being drawn finishes on its own."""
@@ -245,6 +266,13 @@ class DeviceCase:
     inputs: dict[str, TensorMemory]
     reference: DeviceReference
 
+    def bind(self, op: Op, shape: Any, params: Any, kernel: gpu.Kernel, run: dict[str, int]) -> Bound:
+        # read where they were drawn: the case serves this one launch, its reference already made
+        return Bound(op, shape, params, kernel, run, None, on_device=self.inputs, share_inputs=True)
+
+    def verdict(self, op: Op, shape: Any, bound: Bound, stream: gpu.Stream) -> tuple[float, str]:
+        return self.reference.compare(bound, stream)
+
     def free(self) -> None:
         for memory in self.inputs.values():
             memory.free()
@@ -269,19 +297,13 @@ class DeviceCases:
     def take(self, run: dict[str, int]) -> DeviceCase:
         import torch
 
-        key = tuple(run.items())
-        if key not in self._streams:
-            self._streams[key] = self.rng.spawn(1)[0]
-        seed = int(self._streams[key].integers(1 << 62))
+        seed = int(_stream_of(self._streams, self.rng, run).integers(1 << 62))
         with timing_lock:
             inputs, reference = self._draw(self.shape, run, seed, "cuda")
             torch.cuda.synchronize()  # drawn on torch's stream; read on ours
         return DeviceCase({name: TensorMemory(t) for name, t in inputs.items()},
                           DeviceReference({name: TensorMemory(t) for name, t in reference.items()},
                                           self.op.output_dtypes(self.shape), output_tolerances(self.op, self.shape)))
-
-    def close(self) -> None:
-        pass
 
 
 # Set, the gate draws every op's cases on the host (GateCases), where an op would have them drawn on the GPU.
@@ -325,21 +347,14 @@ def gate(op: Op, shape: Any, params: Any, kernel: gpu.Kernel, run: dict[str, int
             started = time.perf_counter()
             case = cases.take(gate_run)
             host += time.perf_counter() - started
-            on_device = isinstance(case, DeviceCase)
-            bound = (Bound(op, shape, params, kernel, gate_run, None, on_device=case.inputs) if on_device
-                     else Bound(op, shape, params, kernel, gate_run, case[0]))
+            bound = case.bind(op, shape, params, kernel, gate_run)
             bound.poison(stream)
             launched = time.perf_counter()
             bound.enqueue(stream.handle)
             stream.synchronize()
-            if on_device:
-                err, reason = case.reference.compare(bound, stream)
-            else:
-                outputs, complaints = bound.outputs()
-                started = time.perf_counter()
-                err, reason = (float("inf"), "; ".join(complaints)) if complaints else \
-                    compare_outputs(op, shape, outputs, case[1])
-                host += time.perf_counter() - started
+            started = time.perf_counter()
+            err, reason = case.verdict(op, shape, bound, stream)
+            host += time.perf_counter() - started
         except GpuError as exc:
             with contextlib.suppress(GpuError):  # a lost context refuses even this; the fault is the news
                 _free(bound, case)
@@ -355,10 +370,10 @@ def gate(op: Op, shape: Any, params: Any, kernel: gpu.Kernel, run: dict[str, int
     return GateResult(True, "", max(errors.values()), errors, host_s=host)
 
 
-def _free(bound: Bound | None, case: Any) -> None:
+def _free(bound: Bound | None, case: HostCase | DeviceCase | None) -> None:
     if bound is not None:
         bound.free()
-    if isinstance(case, DeviceCase):
+    if case is not None:
         case.free()
 
 
@@ -658,10 +673,10 @@ def float64_tensor(operand: Operand, device: str) -> Any:
 
     if not isinstance(operand, Stored):
         return torch.from_numpy(operand).to(device)
+    from mage_gen.device_cases import widened
+
     values = operand.values
-    bits = torch.from_numpy(values.view(_SAME_WIDTH_INTS[values.dtype.itemsize])).to(device)
-    # through float32, which holds every element type here exactly and which every type converts to
-    return bits.view(getattr(torch, operand.dtype.name)).to(torch.float32).to(torch.float64)
+    return widened(torch.from_numpy(values.view(_SAME_WIDTH_INTS[values.dtype.itemsize])).to(device), operand.dtype)
 
 
 def _use_the_gpu_for_large_references() -> None:
