@@ -125,7 +125,6 @@ class TuneResult:
     peers: dict[str, dict[str, Any]]  # name -> {'hot': Timing, 'cold': Timing, 'config': {...}}
     dropped: dict[str, str] = field(default_factory=dict)
     kept_stored: bool = False  # a tie, and the size class's stored winner among the tied, so kept
-    tie_test: str = "spreads"  # how two finalists were told apart: 'paired rounds', or 'spreads' (a replay)
     # where this process's trials spent their time, seconds per trial (measure.Evaluation.seconds); empty when
     # its backend does not say (a replay)
     trial_seconds: dict[str, float] = field(default_factory=dict)
@@ -144,6 +143,11 @@ class TuneResult:
                                              "failed": len(self.failed)},
         }
 
+
+    @property
+    def tie_test(self) -> str:
+        """How the finalists were told apart: 'paired rounds', or 'spreads' where the backend kept no rounds."""
+        return "paired rounds" if all(f.rounds is not None for f in (self.winner, *self.runner_ups)) else "spreads"
 
     def winner_over_peer(self, peer: str) -> dict[str, RoundRatio]:
         """The winner's time over the peer's by paired rounds, hot and cold; {} where the round kept no rounds."""
@@ -569,7 +573,6 @@ def _finish(op, shape, study, done, valid, rejected, backend, objective, measure
         reused=reused, failed=failed, winner=winner, runner_ups=[f for f in ranked if f is not winner],
         tie=len(tied) > 1, tied_with=[f.name for f in tied if f is not winner],
         kept_stored=bool(stored) and len(tied) > 1, peers=peers, dropped=dropped,
-        tie_test="paired rounds" if all(f.rounds is not None for f in ranked) else "spreads",
         trial_seconds=_seconds_per_trial(study))
     # the report reads the final round from the study, whichever tuned/ entry it led to
     study.set_user_attr("final_round", {"winner": winner.name, "winner_params": op.params_to_dict(winner.params),
