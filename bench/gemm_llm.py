@@ -22,6 +22,7 @@ import time
 
 from mage_gen import gpu
 from mage_gen.ops import get_op
+from mage_gen.ops.gemm_sm90 import ELEMENTS
 
 from bench._common import earlier_result, geomean, product_params, provenance, timing_method, write_result
 from bench.gemm_sm90 import PER_ROUND, ROUNDS, bench_one
@@ -88,7 +89,7 @@ def summarize(rows: list[dict], complete: bool, whole: bool, precision: str = "b
             "untuned": [f"{r['m']}x{r['n']}x{r['k']}" for r in rows if r["chosen"].startswith("untuned")],
             "served by a class tuned at another M": [f"{r['m']}x{r['n']}x{r['k']}" for r in rows
                                                      if r["chosen"].startswith("class")],
-            "B read from DRAM": read_floor(rows, l2_bytes, 2 if precision == "bf16" else 1) if l2_bytes else {}}
+            "B read from DRAM": read_floor(rows, l2_bytes, ELEMENTS[precision].itemsize) if l2_bytes else {}}
 
 
 def _earlier_rows(device, name: str, precision: str) -> dict[tuple[str, str, int], dict]:

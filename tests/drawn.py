@@ -16,14 +16,15 @@ from mage_gen.space import draw
 from mage_gen.variants import build
 
 
-def gate_on_gpu(op, device, stream, shape, params, run: dict | None = None, seed: int = 0):
-    """The gate's result for one config, its kernel loaded with the dynamic shared memory it asks for."""
+def gate_on_gpu(op, device, stream, shape, params, run: dict | None = None, seed: int = 0, cases=None):
+    """The gate's result for one config, its kernel loaded with the dynamic shared memory it asks for; its cases
+    drawn on the host from the seed, or taken from `cases` (measure.GateCases or DeviceCases) where given."""
     run = run or {}
     variant = build(op, shape, params, device.arch)
     launch = op.geometry(shape, params, run)
     kernel = gpu.Kernel(variant.compiled.cubin, variant.source.kernel_name, launch.dynamic_shared_bytes)
     try:
-        return gate(op, shape, params, kernel, run, np.random.default_rng(seed), stream)
+        return gate(op, shape, params, kernel, run, np.random.default_rng(seed), stream, cases)
     finally:
         kernel.unload()
 

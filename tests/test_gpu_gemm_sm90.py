@@ -285,8 +285,8 @@ def test_a_case_drawn_on_the_gpu_is_the_host_reference_of_its_inputs_and_gates_a
 
     params = OP.params_from_dict({"grid": device.sms, **values})
     cases = DeviceCases(OP, shape, np.random.default_rng(0))
-    assert gate_with_cases(device, stream, shape, cases, params).passed
-    wrong = gate_with_cases(device, stream, shape, cases, dataclasses.replace(params, plant="swizzle"))
+    assert gate_on_gpu(OP, device, stream, shape, params, cases=cases).passed
+    wrong = gate_on_gpu(OP, device, stream, shape, dataclasses.replace(params, plant="swizzle"), cases=cases)
     assert not wrong.passed and "relative error" in wrong.reason, wrong.reason
 
 
@@ -298,22 +298,9 @@ def test_the_gate_on_cases_drawn_on_the_gpu_fails_a_split_k_kernel_that_does_not
     shape = OP.shape(m=1025, n=1033, k=1041)
     cases = DeviceCases(OP, shape, np.random.default_rng(0))
     params = OP.params_from_dict({"bm": 64, "bn": 64, "consumers": 1, "split_k": 2, "grid": device.sms})
-    assert gate_with_cases(device, stream, shape, cases, params).passed
-    result = gate_with_cases(device, stream, shape, cases, dataclasses.replace(params, plant="split_reset"))
+    assert gate_on_gpu(OP, device, stream, shape, params, cases=cases).passed
+    result = gate_on_gpu(OP, device, stream, shape, dataclasses.replace(params, plant="split_reset"), cases=cases)
     assert not result.passed and "words of counters not zero" in result.reason, result.reason
-
-
-def gate_with_cases(device, stream, shape, cases, params):
-    from mage_gen import gpu
-    from mage_gen.measure import gate
-
-    variant = build(OP, shape, params, device.arch)
-    kernel = gpu.Kernel(variant.compiled.cubin, variant.source.kernel_name,
-                        OP.geometry(shape, params, {}).dynamic_shared_bytes)
-    try:
-        return gate(OP, shape, params, kernel, {}, None, stream, cases)
-    finally:
-        kernel.unload()
 
 
 @pytest.mark.parametrize("plant", ["swizzle", "sbo"])
