@@ -261,3 +261,28 @@ def test_shifted_statistics_stay_within_the_tolerance_where_a_plain_sum_of_squar
     for row in range(3):
         err, reason = compare_outputs(LN, shape, {"y": outputs["y"][row:row + 1]}, {"y": reference["y"][row:row + 1]})
         assert not reason, (row, err, reason)
+
+
+def _fp32_layer_norm(row: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
+    """A layer norm as any fp32 kernel computes it: the mean, then the centred sum of squares, summed in fp32."""
+    d = np.float32(row.shape[1])
+    centred = row - row.sum(axis=1, dtype=np.float32, keepdims=True) / d
+    var = (centred * centred).sum(axis=1, dtype=np.float32, keepdims=True) / d
+    return centred / np.sqrt(var + np.float32(eps)) * w + b
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_every_row_drawn_at_the_smallest_d_is_within_an_fp32_norms_reach(residual):
+    # Two values drawn close together would leave x − mean a few ulps of the row's offset mean: any fp32 layer
+    # norm would then miss the 1e-5 tolerance, and the gate would fail a correct kernel.
+    from mage_gen.verdict import relative_error
+
+    shape = LN.shape(d=2, residual=residual)
+    worst = 0.0
+    for seed in range(2000):
+        inputs = LN.make_inputs(shape, {"m": 1}, np.random.default_rng(seed))
+        row = inputs["x"] + inputs["residual"] if residual else inputs["x"]
+        y = _fp32_layer_norm(row, inputs["w"], inputs["b"], LN.eps)
+        reference = LN.reference(shape, inputs, LN.scalars(shape, {"m": 1}))["y"]
+        worst = max(worst, relative_error(y, reference))
+    assert worst <= LN.tolerance_of(shape, "y", FLOAT32)

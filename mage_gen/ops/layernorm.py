@@ -310,6 +310,17 @@ def row_norm_rules(norm: str) -> tuple[Rule, ...]:
     )
 
 
+def _standardized(rows: np.ndarray) -> np.ndarray:
+    """rows (float32), in place, each with mean 0 and standard deviation 1 where it has two or more values
+    (to fp32's rounding of the sums: what matters is a spread far from 0)."""
+    length = rows.shape[1]
+    if length < 2:
+        return rows
+    rows -= rows.mean(axis=1, keepdims=True)
+    rows /= np.sqrt(np.einsum("ij,ij->i", rows, rows) / np.float32(length))[:, None]
+    return rows
+
+
 class LayerNorm(OpFamily):
     name = "layernorm"
     tolerance = 1e-5
@@ -496,17 +507,23 @@ class LayerNorm(OpFamily):
         return {"M": run["m"], "eps": self.eps}
 
     def make_inputs(self, shape: Shape, run: dict[str, int], rng: np.random.Generator) -> dict[str, np.ndarray]:
-        """Each tensor in its element type's storage (dtypes: bf16 as uint16 bits)."""
+        """Each tensor in its element type's storage (dtypes: bf16 as uint16 bits). The rows normalized (x, or
+        x + residual) are an offset mean, which makes a one-pass sum-of-squares formula visibly wrong, plus
+        deviations standardized to a spread of 0.5-3 in every row: a row whose few values happened to lie close
+        together would be ill-conditioned for any fp32 norm (the mean's rounding, an ulp of the offset, against a
+        tiny deviation), and no tolerance of the op could tell that from a wrong kernel."""
         m, d = run["m"], shape.d
         act, weight = element_type(shape.dtype), element_type(shape.weight_dtype)
-        # An offset mean makes a one-pass sum-of-squares formula visibly wrong.
         offset = rng.uniform(-4, 4)
-        x = rng.standard_normal((m, d), dtype=np.float32)
-        x *= np.float32(rng.uniform(0.5, 3))  # in place: at M = 65536 the gate's inputs are 200 MB per check
-        x += np.float32(offset)
-        inputs = {"x": act.round(x)}
+        row = _standardized(rng.standard_normal((m, d), dtype=np.float32))
+        row *= np.float32(rng.uniform(0.5, 3))  # in place: at M = 65536 the gate's inputs are 200 MB per check
+        row += np.float32(offset)
         if shape.residual:
-            inputs["residual"] = act.round(rng.standard_normal((m, d), dtype=np.float32))
+            residual = act.round(rng.standard_normal((m, d), dtype=np.float32))
+            row -= act.widen(residual)  # x + residual is then the row drawn, up to x's rounding
+        inputs = {"x": act.round(row)}
+        if shape.residual:
+            inputs["residual"] = residual
         inputs["w"] = weight.round(rng.standard_normal(d, dtype=np.float32))
         if self.norm == "layer":
             inputs["b"] = weight.round(rng.standard_normal(d, dtype=np.float32))
