@@ -22,7 +22,7 @@ from mage_gen import __version__, gpu
 from mage_gen.compile import nvrtc_version
 from mage_gen.dispatch import choose_class
 from mage_gen.errors import StoreError
-from mage_gen.measure import HOT_LAUNCHES_PER_GRAPH, flush_bytes, interleave
+from mage_gen.measure import HOT_LAUNCHES_PER_GRAPH, HOT_REPLAY_US, flush_bytes, interleave
 from mage_gen.peers import TorchSubject
 from mage_gen.ops import get_op
 from mage_gen.ops.base import shape_dict
@@ -162,7 +162,10 @@ def geomean(values: list[float]) -> float | None:
 
 def timing_method(rounds: int, per_round: int) -> dict[str, str]:
     """How a bench's hot and cold figures were taken, from the constants that took them."""
-    return {"hot": f"{HOT_LAUNCHES_PER_GRAPH} launches per CUDA graph, {rounds} rounds × {per_round} replays "
+    most, replay_ms = HOT_LAUNCHES_PER_GRAPH, HOT_REPLAY_US / 1000
+    return {"hot": f"{most} launches per CUDA graph (fewer where {most} would last over {replay_ms:g} ms: as many as "
+                   f"last {replay_ms:g} ms, at least one, by a launch of the fastest subject; the same count for every "
+                   f"subject), {rounds} rounds × {per_round} replays "
                    "interleaved with the peers, each round after L2's persisting lines were reset and one "
                    "warm-up replay, median per launch, spread = interquartile range",
             "cold": f"L2's persisting lines reset and {flush_bytes() >> 20} MB written before each launch, {rounds} "

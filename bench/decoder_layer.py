@@ -25,7 +25,7 @@ from torch import nn
 
 import mage_gen.torch as mt
 from mage_gen import gpu
-from mage_gen.measure import interleave_rounds, pool_rounds
+from mage_gen.measure import interleave_rounds, launches_for, pool_rounds
 from mage_gen.peers import TorchSubject
 from mage_gen.timing import round_ratio
 
@@ -143,8 +143,9 @@ def bench_tokens(name: str, tokens: int) -> dict:
         if failed:
             return {**row, "error": f"outputs outside the tolerance: {failed}; nothing timed"}
         try:
+            row["hot_launches_per_graph"] = launches = launches_for(subjects)
             for method in ("hot", "cold"):
-                taken = interleave_rounds([subjects], method, ROUNDS, PER_ROUND)
+                taken = interleave_rounds([subjects], method, ROUNDS, PER_ROUND, launches)
                 pooled, _ = pool_rounds(taken, method, 1)
                 row["timings"][method] = {way: t.to_dict() for way, t in pooled.items()}
                 best = min(("compile", "compile-max-autotune"), key=lambda way: pooled[way].median_us)

@@ -21,7 +21,7 @@ import numpy as np
 
 from mage_gen import gpu
 from mage_gen.errors import StoreError
-from mage_gen.measure import Bench, interleave_rounds, pool_rounds
+from mage_gen.measure import Bench, interleave_rounds, launches_for, pool_rounds
 from mage_gen.ops import get_op
 from mage_gen.peers import make_peers
 from mage_gen.timing import round_ratio
@@ -77,8 +77,9 @@ def bench_one(op, shape, params, chosen: str, device) -> dict:
     everyone = [subject, *peers, *([tc] if tc else [])]
     flops = op.flops(shape)
     timings, paired = {}, {}
+    launches = launches_for(everyone)
     for method in ("hot", "cold"):
-        taken = interleave_rounds([everyone], method, ROUNDS, PER_ROUND)
+        taken = interleave_rounds([everyone], method, ROUNDS, PER_ROUND, launches)
         pooled, _ = pool_rounds(taken, method, 1)
         for name, timing in pooled.items():
             timings.setdefault(name, {})[method] = {**timing.to_dict(), "tflops": flops / timing.median_us / 1e6}
@@ -89,7 +90,8 @@ def bench_one(op, shape, params, chosen: str, device) -> dict:
         s.close()
     kernel.unload()
     return {**head, "census": {key: variant.census.to_dict()[key] for key in ("registers", "spill_bytes", "hopper")},
-            "gate": checked.to_dict(), "flops": flops, "timings": timings, "time_over_cublas_by_round": paired,
+            "gate": checked.to_dict(), "flops": flops, "hot_launches_per_graph": launches, "timings": timings,
+            "time_over_cublas_by_round": paired,
             "peer_configs": {p.name: p.config for p in peers}, "peers_missing": missing}
 
 

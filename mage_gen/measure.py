@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import threading
 import time
@@ -43,7 +44,11 @@ GUARD_BYTES = 4096  # fenced on each side of every output
 # per element size, a NaN with a payload no kernel computes, so any write to the fence shows
 GUARD_BITS = {4: 0x7FBADBAD, 2: 0x7FBD}
 MIN_FLUSH_BYTES = 256 << 20  # the least a cold sample writes before its launch
-HOT_LAUNCHES_PER_GRAPH = 20
+HOT_LAUNCHES_PER_GRAPH = 20  # at most: fewer where a replay would last longer than HOT_REPLAY_US
+# A replay of a hot graph lasts about this long at most: a launch longer than HOT_REPLAY_US / HOT_LAUNCHES_PER_GRAPH
+# is captured fewer times (once at least). The gaps between replays, a few microseconds, are then under a thousandth
+# of a replay, and a 17 ms launch is not run 20 times for every sample (most of a whole sweep's time went there).
+HOT_REPLAY_US = 5000.0
 # How long the GPU is held before each timed sample while the host queues it (hold): longer than any subject's host
 # path from the flush to its launch (Inductor's guards, Triton's launcher: tens of microseconds)
 HOLD_US = 1000
@@ -446,11 +451,12 @@ def _comparator(element: str) -> gpu.Kernel:
 # ---- timing ----
 
 class Subject(Protocol):
-    """Anything timed the same way: a generated kernel or a peer."""
+    """Anything timed the same way: a generated kernel or a peer. hot: `replays` samples, each a replay of a graph
+    of `launches` launches, per launch."""
 
     name: str
 
-    def hot(self, replays: int) -> list[float]: ...
+    def hot(self, replays: int, launches: int = HOT_LAUNCHES_PER_GRAPH) -> list[float]: ...
     def cold(self, count: int) -> list[float]: ...
     def close(self) -> None: ...
 
@@ -490,12 +496,26 @@ def flush_buffer() -> gpu.Buffer:
     return gpu.Buffer(flush_bytes())
 
 
+def hot_launches(launch_us: float) -> int:
+    """Launches per hot graph for a launch of about launch_us: HOT_LAUNCHES_PER_GRAPH, or fewer where a replay of
+    that many would last longer than HOT_REPLAY_US."""
+    if not launch_us > 0:
+        return HOT_LAUNCHES_PER_GRAPH
+    return max(1, min(HOT_LAUNCHES_PER_GRAPH, math.ceil(HOT_REPLAY_US / launch_us)))
+
+
+def launches_for(subjects: Sequence[Subject]) -> int:
+    """Launches per hot graph for subjects timed together, the same for each: hot_launches of the fastest one's
+    launch, from a replay of one launch each."""
+    return hot_launches(min(min(s.hot(1, 1)) for s in subjects)) if subjects else HOT_LAUNCHES_PER_GRAPH
+
+
 class TimedAlone:
     """A subject whose samples (its _hot and _cold) are taken holding timing_lock."""
 
-    def hot(self, replays: int) -> list[float]:
+    def hot(self, replays: int, launches: int = HOT_LAUNCHES_PER_GRAPH) -> list[float]:
         with timing_lock:
-            return self._hot(replays)
+            return self._hot(replays, launches)
 
     def cold(self, count: int) -> list[float]:
         with timing_lock:
@@ -509,11 +529,15 @@ class KernelSubject(TimedAlone):
         self.name, self.bound, self.stream = name, bound, stream
         self.events = gpu.EventPair()
         self._graph: gpu.Graph | None = None
+        self._launches = 0  # in the graph captured
 
-    def _hot(self, replays: int) -> list[float]:
+    def _hot(self, replays: int, launches: int) -> list[float]:
+        if self._graph is not None and self._launches != launches:
+            self._graph.destroy()
+            self._graph = None
         if self._graph is None:
-            self._graph = self.stream.capture(
-                lambda handle: [self.bound.enqueue(handle) for _ in range(HOT_LAUNCHES_PER_GRAPH)])
+            self._graph = self.stream.capture(lambda handle: [self.bound.enqueue(handle) for _ in range(launches)])
+            self._launches = launches
         own_lines_only()
         self._graph.launch(self.stream)  # warm-up: inputs into L2, code into the instruction cache
         # the replays back to back behind a hold, an event between each and the next
@@ -524,7 +548,7 @@ class KernelSubject(TimedAlone):
                 events.record(i, self.stream.handle)
                 self._graph.launch(self.stream)
             events.record(replays, self.stream.handle)
-            return [gap / HOT_LAUNCHES_PER_GRAPH for gap in events.gaps_us()]
+            return [gap / launches for gap in events.gaps_us()]
         finally:
             events.destroy()
 
@@ -549,27 +573,32 @@ class KernelSubject(TimedAlone):
         self.bound.free()
 
 
-def interleave(subjects: Sequence[Subject], method: str, rounds: int, per_round: int) -> dict[str, Timing]:
+def interleave(subjects: Sequence[Subject], method: str, rounds: int, per_round: int,
+               launches: int | None = None) -> dict[str, Timing]:
     """Round-robin sampling, so drift in clocks or temperature falls on every subject alike."""
-    return interleave_placed([subjects], method, rounds, per_round)[0]
+    return interleave_placed([subjects], method, rounds, per_round, launches)[0]
 
 
-def interleave_placed(placed: Sequence[Sequence[Subject]], method: str, rounds: int, per_round: int
-                      ) -> tuple[dict[str, Timing], list[dict[str, Timing]]]:
+def interleave_placed(placed: Sequence[Sequence[Subject]], method: str, rounds: int, per_round: int,
+                      launches: int | None = None) -> tuple[dict[str, Timing], list[dict[str, Timing]]]:
     """interleave, round r taken at placement r % len(placed) (placed[p]: the subjects timed there, the same
     names at every placement): each name's samples pooled over the placements, and each placement's own."""
-    return pool_rounds(interleave_rounds(placed, method, rounds, per_round), method, len(placed))
+    return pool_rounds(interleave_rounds(placed, method, rounds, per_round, launches), method, len(placed))
 
 
-def interleave_rounds(placed: Sequence[Sequence[Subject]], method: str, rounds: int, per_round: int
-                      ) -> list[dict[str, list[float]]]:
+def interleave_rounds(placed: Sequence[Sequence[Subject]], method: str, rounds: int, per_round: int,
+                      launches: int | None = None) -> list[dict[str, list[float]]]:
     """The samples of interleave_placed round by round (round r at placement r % len(placed)), each subject's by
-    name: what a paired comparison of two subjects reads (timing.round_ratio)."""
+    name: what a paired comparison of two subjects reads (timing.round_ratio). launches: per hot graph, the same for
+    every subject; launches_for the first placement's subjects where not given."""
     names = sorted(s.name for s in placed[0])
     if any(sorted(s.name for s in group) != names for group in placed):
         raise ValueError("interleave: every placement must hold the same subjects")
-    return [{subject.name: (subject.hot if method == "hot" else subject.cold)(per_round)
-             for subject in placed[r % len(placed)]} for r in range(rounds)]
+    if method != "hot":
+        return [{subject.name: subject.cold(per_round) for subject in placed[r % len(placed)]} for r in range(rounds)]
+    launches = launches or launches_for(placed[0])
+    return [{subject.name: subject.hot(per_round, launches) for subject in placed[r % len(placed)]}
+            for r in range(rounds)]
 
 
 def pool_rounds(taken: Sequence[dict[str, list[float]]], method: str, placements: int
@@ -876,7 +905,7 @@ class Bench:
             return Evaluation(result, seconds=seconds)
         try:
             try:
-                hot = Timing.from_samples("hot", subject.hot(hot_replays))
+                hot = Timing.from_samples("hot", subject.hot(hot_replays, launches_for([subject])))
                 cold = Timing.from_samples("cold", subject.cold(cold_count))
                 return Evaluation(result, hot, cold, seconds={**seconds, "timing": time.perf_counter() - gated})
             finally:

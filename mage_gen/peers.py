@@ -13,7 +13,7 @@ import numpy as np
 
 from mage_gen.dtypes import BFLOAT16, E4M3, FLOAT32, DType
 from mage_gen.dtypes import dtype as element_type
-from mage_gen.measure import HOT_LAUNCHES_PER_GRAPH, TimedAlone, flush_bytes, hold, interleave, own_lines_only
+from mage_gen.measure import TimedAlone, flush_bytes, hold, interleave, own_lines_only
 from mage_gen.verdict import compare_outputs
 from mage_gen.ops import Op
 
@@ -159,10 +159,13 @@ class TorchSubject(TimedAlone):
     def __init__(self, name: str, run: Callable[[], Any], config: dict[str, Any] | None = None):
         self.name, self.run, self.config = name, run, config or {}
         self._graph = None
+        self._launches = 0  # in the graph captured
         self._begin = torch.cuda.Event(enable_timing=True)
         self._end = torch.cuda.Event(enable_timing=True)
 
-    def _hot(self, replays: int) -> list[float]:
+    def _hot(self, replays: int, launches: int) -> list[float]:
+        if self._graph is not None and self._launches != launches:
+            self._graph = None  # its memory pool goes with it
         if self._graph is None:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -172,8 +175,9 @@ class TorchSubject(TimedAlone):
             torch.cuda.current_stream().wait_stream(side)
             self._graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self._graph):
-                for _ in range(HOT_LAUNCHES_PER_GRAPH):
+                for _ in range(launches):
                     self.run()
+            self._launches = launches
         own_lines_only()
         self._graph.replay()  # warm-up, as a generated kernel's
         # as a generated kernel is timed (measure.KernelSubject): the replays back to back behind a hold
@@ -184,7 +188,7 @@ class TorchSubject(TimedAlone):
             self._graph.replay()
         events[replays].record()
         events[replays].synchronize()
-        return [a.elapsed_time(b) * 1000.0 / HOT_LAUNCHES_PER_GRAPH for a, b in zip(events, events[1:])]
+        return [a.elapsed_time(b) * 1000.0 / launches for a, b in zip(events, events[1:])]
 
     def _cold(self, count: int) -> list[float]:
         flush = torch_flush_buffer()

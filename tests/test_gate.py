@@ -163,7 +163,7 @@ def test_a_subject_is_timed_holding_the_lock_a_reference_on_the_gpu_waits_for(mo
     from mage_gen.peers import TorchSubject
 
     for subject_type in (measure.KernelSubject, TorchSubject):
-        monkeypatch.setattr(subject_type, "_hot", lambda self, replays: [measure.timing_lock.locked()])
+        monkeypatch.setattr(subject_type, "_hot", lambda self, replays, launches: [measure.timing_lock.locked()])
         monkeypatch.setattr(subject_type, "_cold", lambda self, count: [measure.timing_lock.locked()])
         subject = subject_type.__new__(subject_type)
         assert subject.hot(1) == [True] and subject.cold(1) == [True]

@@ -3,7 +3,8 @@ next placement, every subject at each, the samples pooled and kept per placement
 
 import pytest
 
-from mage_gen.measure import common_to_every_placement, interleave, interleave_placed, interleave_rounds, pool_rounds
+from mage_gen.measure import (HOT_LAUNCHES_PER_GRAPH, HOT_REPLAY_US, common_to_every_placement, hot_launches,
+                               interleave, interleave_placed, interleave_rounds, pool_rounds)
 from mage_gen.timing import median_interval, round_ratio
 
 
@@ -14,8 +15,8 @@ class Fixed:
         self.name, self.placement, self.us, self.calls = name, placement, us, calls
         self.closed = False
 
-    def hot(self, replays: int) -> list[float]:
-        self.calls.append((self.name, self.placement, "hot"))
+    def hot(self, replays: int, launches: int = HOT_LAUNCHES_PER_GRAPH) -> list[float]:
+        self.calls.append((self.name, self.placement, f"hot/{launches}"))
         return [self.us] * replays
 
     def cold(self, count: int) -> list[float]:
@@ -35,7 +36,9 @@ def test_round_r_is_taken_at_placement_r_mod_their_count_every_subject_at_each()
     calls = []
     groups = placed({"kernel": [10.0, 20.0, 30.0], "peer": [12.0, 12.0, 12.0]}, calls)
     pooled, by_placement = interleave_placed(groups, "hot", rounds=6, per_round=2)
-    assert [(p) for _, p, _ in calls] == [0, 0, 1, 1, 2, 2, 0, 0, 1, 1, 2, 2]
+    # one launch of each, at the first placement, for the launches per graph; then the rounds
+    assert calls[:2] == [("kernel", 0, "hot/1"), ("peer", 0, "hot/1")]
+    assert [(p) for _, p, _ in calls[2:]] == [0, 0, 1, 1, 2, 2, 0, 0, 1, 1, 2, 2]
     assert [[t["kernel"].median_us for t in by_placement]] == [[10.0, 20.0, 30.0]]
     assert pooled["kernel"].samples == 12 and pooled["kernel"].median_us == 20.0
     # the placements' spread is the pooled timing's: 10 and 30 apart is not a tie with a steady 12 hidden
@@ -217,7 +220,7 @@ class Steps:
                 steps.log.append("replay")
 
             def destroy(self):
-                pass
+                steps.log.append("destroy")
         return Graph()
 
     def enqueue(self, handle):
@@ -277,3 +280,26 @@ def test_each_hot_round_and_each_cold_sample_begins_with_the_persisting_lines_re
     log.clear()
     assert subject.cold(2) == [1.0, 1.0]
     assert log == ["reset", "hold", "flush", "start", "launch", "stop"] * 2
+    log.clear()
+    # another count of launches per graph: the graph captured again, each gap shared by that many launches
+    assert subject.hot(1, 5) == [4.0]
+    assert log == ["destroy", "capture", "reset", "replay", "hold", "replay"]
+
+
+def test_a_hot_graph_holds_fewer_launches_only_where_all_would_last_longer_than_a_replay_should():
+    assert hot_launches(1.0) == hot_launches(HOT_REPLAY_US / HOT_LAUNCHES_PER_GRAPH) == HOT_LAUNCHES_PER_GRAPH
+    # the fewest whose replay lasts the replay's time, at least one
+    assert hot_launches(HOT_REPLAY_US / 4) == 4 and hot_launches(HOT_REPLAY_US / 4.5) == 5
+    assert hot_launches(HOT_REPLAY_US) == hot_launches(10 * HOT_REPLAY_US) == 1
+    assert hot_launches(0.0) == hot_launches(float("nan")) == HOT_LAUNCHES_PER_GRAPH  # no estimate: the most
+
+
+def test_subjects_timed_together_share_the_count_of_the_fastest_from_one_launch_of_each():
+    calls = []
+    slow = HOT_REPLAY_US / 2  # two launches per graph alone; the peer, twice as slow, one
+    interleave_placed(placed({"kernel": [slow, slow], "peer": [2 * slow, 2 * slow]}, calls), "hot", 2, 1)
+    assert calls == [("kernel", 0, "hot/1"), ("peer", 0, "hot/1"),
+                     ("kernel", 0, "hot/2"), ("peer", 0, "hot/2"), ("kernel", 1, "hot/2"), ("peer", 1, "hot/2")]
+    given = []
+    interleave_placed(placed({"kernel": [slow], "peer": [2 * slow]}, given), "hot", 1, 1, launches=3)
+    assert given == [("kernel", 0, "hot/3"), ("peer", 0, "hot/3")]  # a count given: no launch to find it
