@@ -21,6 +21,7 @@ import sys
 import time
 
 from mage_gen import gpu
+from mage_gen.measure import HOT_LAUNCHES_PER_GRAPH, hot_launches
 from mage_gen.ops import get_op
 from mage_gen.ops.gemm_sm90 import ELEMENTS
 
@@ -92,6 +93,16 @@ def summarize(rows: list[dict], complete: bool, whole: bool, precision: str = "b
             "B read from DRAM": read_floor(rows, l2_bytes, ELEMENTS[precision].itemsize) if l2_bytes else {}}
 
 
+def measured_as_now(row: dict) -> bool:
+    """Whether a row's hot figures were taken with as many launches per graph as the method takes now: a row from
+    before the count was recorded took HOT_LAUNCHES_PER_GRAPH, which is what the method still takes unless its
+    fastest subject's launch is long (measure.hot_launches)."""
+    if "hot_launches_per_graph" in row:
+        return True
+    hot = [t["hot"]["median_us"] for t in row.get("timings", {}).values() if "hot" in t]
+    return bool(hot) and hot_launches(min(hot)) == HOT_LAUNCHES_PER_GRAPH
+
+
 def _earlier_rows(device, name: str, precision: str) -> dict[tuple[str, str, int], dict]:
     """The rows of an earlier run's result file on this GPU at this precision, by (model, layer, M)."""
     doc = earlier_result(device, name)
@@ -116,7 +127,8 @@ def main() -> None:
     parser.add_argument("--out", help="result file name under bench/results/<gpu>/ (default: gemm_llm.json, "
                                       "gemm_llm_e4m3.json)")
     parser.add_argument("--resume", action="store_true", help="keep the result file's rows of the kernels that would "
-                                                              "run now, and measure the rest")
+                                                              "run now, timed as the method times them now, and "
+                                                              "measure the rest")
     parser.add_argument("--budget-s", type=float, help="start no shape once this many seconds have passed less the "
                                                        "longest shape so far (a call with a time limit ends between "
                                                        "shapes; --resume goes on)")
@@ -154,7 +166,8 @@ def main() -> None:
         params, chosen = product_params(op, shape, device, args.tune_missing, args.untuned, tune_flags, args.classes)
         row = earlier.get((model, layer, m))
         if row is not None and (row.get("params"), row.get("source_hash")) == (
-                op.params_to_dict(params), op.source(shape, params).source_hash) and share(row, "hot"):
+                op.params_to_dict(params), op.source(shape, params).source_hash) and share(row, "hot") \
+                and measured_as_now(row):
             how = f"kept, measured {row['measured']}"
         else:
             row = {"model": model, "layer": layer, **bench_one(op, shape, params, chosen, device),
