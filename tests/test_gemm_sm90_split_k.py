@@ -65,11 +65,15 @@ def test_split_k_is_an_axis_of_the_space_and_searched_only_where_m_is_small():
     (4096, {"split_k": 17}, "split-k: split_k is 1 (no split) to 16 slices of K, got 17"),
     (129, {"split_k": 4}, "split-k: split_k=4 slices need a 64-deep step of K each, and K=129 has 3; use split_k ≤ 3"),
     (4096, {"plant": "split_reset"}, "plant: split_reset is a bug of the split-K reduction through the workspace: "
-                                      "plant it with split_k > 1 and split_sum global"),
+                                      "plant it with split_k > 1 and split_sum global or ticket"),
     (4096, {"plant": "split_fence", "split_k": 2, "split_sum": "cluster"},
      "plant: split_fence is a bug of the split-K reduction through the workspace: plant it with split_k > 1 and "
-     "split_sum global"),
-    (4096, {"split_sum": "dsmem"}, "split-sum: split_sum is one of ('global', 'cluster'), got 'dsmem'"),
+     "split_sum global or ticket"),
+    (4096, {"split_sum": "dsmem"}, "split-sum: split_sum is one of ('global', 'ticket', 'cluster'), got 'dsmem'"),
+    (4096, {"split_k": 2, "split_sum": "ticket", "schedule": "pingpong", "consumers": 2},
+     "split-sum: split_sum ticket takes cluster 1 and cooperative consumers, got cluster 1, pingpong"),
+    (4096, {"split_k": 2, "split_sum": "ticket", "cluster": 2},
+     "split-sum: split_sum ticket takes cluster 1 and cooperative consumers, got cluster 2, cooperative"),
     (4096, {"split_k": 3, "split_sum": "cluster"}, "split-sum: split_sum cluster makes a tile's slices one cluster's "
      "CTAs, a CTA each: it takes split_k 2, 4 or 8, cluster 1, grid 0 and cooperative consumers, got split_k 3, "
      "cluster 1, grid 0, cooperative"),
@@ -101,6 +105,10 @@ def test_units_are_slices_of_tiles_and_the_workspace_and_counters_are_arguments_
     text = OP.source(shape, p).text
     assert "float* __restrict__ workspace, unsigned* __restrict__ counters," in text
     assert OP.kernel_name(shape, p).endswith("_k2") and "split2" in p.label()
+    # by ticket: a second counter a tile (the partials stored), the same workspace
+    ticket = dataclasses.replace(p, split_sum="ticket")
+    assert counters(shape, ticket) == 2 * 64 and workspace_floats(shape, ticket) == workspace_floats(shape, p)
+    assert OP.kernel_name(shape, ticket).endswith("_k2t") and "by ticket" in ticket.label()
     # the slices of K's 64 steps: 0-31 and 32-63
     assert "kb_begin = slice * 64 / 2, kb_end = (slice + 1) * 64 / 2" in text
     # at M = 16 only the first 16 rows of a 64-row tile go through the workspace: the other warps store and sum none
@@ -174,12 +182,31 @@ def test_the_census_counts_one_arrival_and_two_fences_and_the_partials_as_16_byt
     assert not [key for key in plain.hopper if key.startswith(("atom", "fence.acq_rel"))]
 
 
+def test_by_ticket_the_last_unit_stores_no_partial_and_waits_on_a_second_counter():
+    shape = OP.shape(m=512, n=512, k=512)
+    p = OP.params_from_dict({"split_k": 2, "bn": 128, "epilogue": "tma", "split_sum": "ticket"})
+    variant = build(OP, shape, p, "sm_90")
+    c, text = variant.census, variant.source.text
+    # the ticket, the count of a stored partial, and the wait's reads of that count: relaxed atomics
+    assert c.hopper["atom.relaxed.gpu.global.add.u32"] >= 3
+    assert c.hopper["fence.acq_rel.gpu"] == 2  # release before the count, acquire after the wait
+    assert c.stores_of("counters") == 2  # both reset by the last unit
+    tiles = counters(shape, p) // 2
+    assert f"wait_count(counters + {tiles} + tile, 1);" in text
+    # the partial is stored only where the ticket was not the last
+    assert text.index("if (!*last_flag) {") < text.index("tensor=workspace") < text.index("wait_count(counters")
+    plain = OP.source(shape, dataclasses.replace(p, split_sum="global")).text
+    assert "wait_count" not in plain and "ticket" not in plain
+
+
 # ---- on the CPU interpreter ----
 
 @pytest.mark.parametrize("c_dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("values", [{"split_k": 2}, {"split_k": 3, "grid": 3},
                                     {"split_k": 2, "schedule": "pingpong", "consumers": 2, "grid": 1},
-                                    {"split_k": 3, "bn": 128, "epilogue": "tma"}])
+                                    {"split_k": 3, "bn": 128, "epilogue": "tma"},
+                                    {"split_k": 3, "grid": 3, "split_sum": "ticket"},
+                                    {"split_k": 4, "grid": 1, "split_sum": "ticket"}])
 def test_a_split_config_on_the_interpreter_matches_numpy_bit_for_bit_at_tails_and_leaves_the_counters_zero(
         c_dtype, values):
     # M, N, K ≡ 1 mod 8, K = 201 four 64-deep steps, the last a tail (a TMA store needs N·size on 16 bytes)
@@ -197,11 +224,12 @@ def test_a_split_config_on_the_interpreter_matches_numpy_bit_for_bit_at_tails_an
         working["workspace"][:] = np.nan
 
 
-def test_the_sum_is_the_same_bits_whichever_unit_arrives_last():
+@pytest.mark.parametrize("split_sum", ["global", "ticket"])
+def test_the_sum_is_the_same_bits_whichever_unit_arrives_last(split_sum):
     # K's 5 steps in 3 slices, random (not whole) values: fp32 sums that differ with their order; grid 2 takes
     # slices of one tile in both blocks, so running the blocks the other way round changes who arrives last
     shape = OP.shape(m=65, n=65, k=321, c_dtype="fp32")
-    p = OP.params_from_dict({**SMALL, "split_k": 3})
+    p = OP.params_from_dict({**SMALL, "split_k": 3, "split_sum": split_sum})
     inputs = OP.make_inputs(shape, {}, np.random.default_rng(3))
     outputs = {}
     for plant in ("", "split_order"):
@@ -211,15 +239,18 @@ def test_the_sum_is_the_same_bits_whichever_unit_arrives_last():
     assert outputs[""] == 0 and outputs["split_order"] > 0
 
 
-@pytest.mark.parametrize("plant, caught", [
-    ("split_reset", "counters: 4 of 4 words are not zero after the launch"),
-    ("split_fence", "stored with nothing that makes the store visible to it"),
-    ("split_order", "is not the same bits with the blocks run in the reverse order"),
+@pytest.mark.parametrize("split_sum, plant, caught", [
+    ("global", "split_reset", "counters: 4 of 4 words are not zero after the launch"),
+    ("global", "split_fence", "stored with nothing that makes the store visible to it"),
+    ("global", "split_order", "is not the same bits with the blocks run in the reverse order"),
+    ("ticket", "split_reset", "counters: 8 of 8 words are not zero after the launch"),
+    ("ticket", "split_fence", "stored with nothing that makes the store visible to it"),
+    ("ticket", "split_order", "is not the same bits with the blocks run in the reverse order"),
 ])
-def test_the_interpreter_gate_catches_each_planted_bug_of_the_reduction(plant, caught):
+def test_the_interpreter_gate_catches_each_planted_bug_of_the_reduction(split_sum, plant, caught):
     # 2×2 tiles of 64, K's 5 steps in 3 slices (of two, the order could not show: a + b is b + a, bit for bit)
     shape = OP.shape(m=100, n=120, k=300, c_dtype="fp32")
-    clean = OP.params_from_dict({**SMALL, "split_k": 3})
+    clean = OP.params_from_dict({**SMALL, "split_k": 3, "split_sum": split_sum})
     assert interp.gate(OP, shape, build(OP, shape, clean, "sm_90"), {}, np.random.default_rng(0)).passed
     planted = build(OP, shape, dataclasses.replace(clean, plant=plant), "sm_90")
     result = interp.gate(OP, shape, planted, {}, np.random.default_rng(0))
@@ -257,12 +288,14 @@ def test_inspect_lists_a_split_kernels_atomics_and_fences():
     (dict(m=33, n=136, k=520, b_layout="kn"), {"bm": 64, "bn": 128, "consumers": 1, "split_k": 2}),
     (dict(m=17, n=130, k=700, precision="e4m3"), {"bm": 64, "bn": 32, "consumers": 1, "split_k": 2}),
 ])
-def test_a_split_summed_in_a_cluster_gives_the_bits_of_the_split_summed_through_the_workspace(shape, values):
+def test_a_split_summed_in_a_cluster_or_by_ticket_gives_the_bits_of_the_split_summed_by_the_last_to_arrive(
+        shape, values):
     shape = OP.shape(**shape)
     through = {s: build(OP, shape, OP.params_from_dict({**values, "split_sum": s}), "sm_90") for s in SPLIT_SUMS}
     inputs = OP.make_inputs(shape, {}, np.random.default_rng(5))
     outs = {s: interp.launch_with(OP, shape, v, {}, inputs)["C"] for s, v in through.items()}
     assert np.array_equal(outs["global"].view(np.uint8), outs["cluster"].view(np.uint8))
+    assert np.array_equal(outs["global"].view(np.uint8), outs["ticket"].view(np.uint8))
     clustered = through["cluster"]
     assert interp.gate(OP, shape, clustered, {}, np.random.default_rng(6)).passed  # both block orders
     # a cluster of split_k CTAs a tile, no workspace, counters, gpu-scope fence or atomic
@@ -296,5 +329,5 @@ def test_the_interpreter_catches_a_cluster_sum_s_missing_barrier(which, caught):
 def test_the_skinny_preset_keeps_the_workspace_sum_until_a_probe_measures_the_cluster_s():
     shape = OP.shape(m=16, n=4096, k=4096)
     assert dict(load_space(OP, "skinny", shape).axes)["split_sum"] == ("global",)
-    assert "split_sum = [\"global\", \"cluster\"]" in (data_dir("search") / "gemm_sm90.toml").read_text()
+    assert "split_sum = [\"global\", \"ticket\", \"cluster\"]" in (data_dir("search") / "gemm_sm90.toml").read_text()
 

@@ -110,9 +110,12 @@ SPLIT = [{"bm": 64, "bn": 64, "consumers": 1, "split_k": 2}, {"bm": 64, "bn": 64
                                                                 "epilogue": "tma"},
          {"bm": 128, "bn": 128, "split_k": 4}, {"bm": 128, "bn": 128, "split_k": 2, "schedule": "pingpong"},
          {"bm": 128, "bn": 128, "split_k": 2, "cluster": 2}]
+# the unit with a tile's last ticket sums it, waiting on the others' count of stored partials
+TICKET = [{"bm": 64, "bn": 64, "consumers": 1, "split_k": 3, "split_sum": "ticket"},
+          {"bm": 128, "bn": 128, "split_k": 4, "split_sum": "ticket", "epilogue": "tma"}]
 
 
-@pytest.mark.parametrize("values", SPLIT, ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()))
+@pytest.mark.parametrize("values", SPLIT + TICKET, ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()))
 @pytest.mark.parametrize("m, n, k", [*TAILS, (16, 4096, 4096)])
 def test_split_k_passes_the_gate_and_leaves_its_counters_zero(device, stream, values, m, n, k):
     """measure.Bound gives the workspace (NaN) and the counters (zero), and the gate fails a launch that leaves a
@@ -122,7 +125,7 @@ def test_split_k_passes_the_gate_and_leaves_its_counters_zero(device, stream, va
     assert result.passed, f"{params.label()} at {m}x{n}x{k}: {result.reason}"
 
 
-@pytest.mark.parametrize("values", SPLIT[:3], ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()))
+@pytest.mark.parametrize("values", SPLIT[:3] + TICKET, ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()))
 def test_split_k_writes_the_same_bits_every_launch(device, stream, values):
     """Whichever unit of a tile finishes last sums the partials in slice order: ten launches on one set of random
     inputs, the counters left by each for the next, give one result bit for bit."""

@@ -30,6 +30,11 @@ CTAs (rank = slice, a CTA per unit); each stores its partial into its own stages
 meets at a barrier, and CTA 0 reads the others' partials (ld.shared::cluster) and sums them in slice order, the same
 sums in the same order as through the workspace, with no workspace, counters, gpu-scope fence or atomic; a second
 cluster barrier at the end keeps every CTA's shared memory until CTA 0 has read it.
+`split_sum` ticket shortens the last unit's path: each unit takes a ticket on the tile's counter as its main loop
+ends; the units before the last store their partials and count them on a second counter (a release), and the one
+with the last ticket stores nothing: it waits until the second counter says the others' partials are stored (an
+acquire; they took their tickets first and wait for nothing, so the wait ends), sums in slice order (its own from
+its registers), stores C and sets both counters back to zero.
 
 `stream_k` deals every tile's BK steps evenly over the persistent grid's CTAs (CTA c takes steps c·I/G to
 (c+1)·I/G − 1 of all I, tile after tile), so that no CTA idles through a last, partial wave; a CTA's share may begin
@@ -100,7 +105,9 @@ CHAINS = (1, 2, 4)
 # release fence
 PLANTED_BUGS = ("", "swizzle", "sbo", "phase", "proxy_fence", "split_reset", "split_order", "split_fence")
 SPLIT_PLANTS = ("split_reset", "split_order", "split_fence")
-SPLIT_SUMS = ("global", "cluster")  # where split K's partials meet: a workspace, or a cluster's shared memory
+# where split K's partials meet: a workspace (the last unit to arrive sums), the same workspace with the summing unit
+# chosen by ticket, or a cluster's shared memory
+SPLIT_SUMS = ("global", "ticket", "cluster")
 MAX_SPLIT_K = 16
 _HIDDEN = frozenset({"plant", "watchdog_ms", "stamps", "early_copies"})
 # stamps (a probe's, bench/probes/gemm_sm90_timeline.py): the first STAMP_CTAS CTAs each record STAMP_SLOTS words in
@@ -202,7 +209,7 @@ class Params:
                 + (f" chains{self.chains}" if self.chains > 1 else "")
                 + f" {self.epilogue}" + (f" grid≤{self.grid}" if self.grid else "")
                 + (f" split{self.split_k}" if self.split_k > 1 else "")
-                + (" in a cluster" if cluster_sum(self) else "")
+                + (" in a cluster" if cluster_sum(self) else "") + (" by ticket" if ticket_sum(self) else "")
                 + (" stream-k" if self.stream_k else "")
                 + (" swap" if self.swap else "")
                 + (f" PLANTED {self.plant}" if self.plant else ""))
@@ -268,6 +275,11 @@ def reduces(p: Params) -> bool:
     return (p.split_k > 1 and not cluster_sum(p)) or p.stream_k
 
 
+def ticket_sum(p: Params) -> bool:
+    """Whether the unit that sums a tile's split-K partials is the one with its last ticket, which stores none."""
+    return p.split_k > 1 and p.split_sum == "ticket"
+
+
 def cluster_sum(p: Params) -> bool:
     """Whether a tile's split-K slices are a cluster's CTAs, summed in distributed shared memory."""
     return p.split_k > 1 and p.split_sum == "cluster"
@@ -295,8 +307,9 @@ def workspace_floats(shape: Shape, p: Params) -> int:
 
 
 def counters(shape: Shape, p: Params) -> int:
-    """32-bit counters of the reduction, one per tile (0 where nothing reduces)."""
-    return int(np.prod(_workspace_tiles(shape, p))) if reduces(p) else 0
+    """32-bit counters of the reduction, one per tile, and under split_sum ticket a second per tile (the partials
+    stored); 0 where nothing reduces."""
+    return int(np.prod(_workspace_tiles(shape, p))) * (2 if ticket_sum(p) else 1) if reduces(p) else 0
 
 
 def consumer_rows(p: Params) -> int:
@@ -531,13 +544,18 @@ _RULES: tuple[Rule, ...] = (
          lambda s, p: "split_sum cluster makes a tile's slices one cluster's CTAs, a CTA each: it takes split_k 2, 4 "
                       f"or 8, cluster 1, grid 0 and cooperative consumers, got split_k {p.split_k}, cluster "
                       f"{p.cluster}, grid {p.grid}, {p.schedule}"),
+    # the last unit waits for the others' partials: in a cluster, or beside the other consumer of its CTA, the
+    # interpreter (which runs a CTA's warps, and a cluster's CTAs, in turn at barriers) would wait for ever
+    Rule("split-sum", lambda s, p: not ticket_sum(p) or (p.cluster == 1 and p.schedule == "cooperative"),
+         lambda s, p: f"split_sum ticket takes cluster 1 and cooperative consumers, got cluster {p.cluster}, "
+                      f"{p.schedule}"),
     Rule("split-sum", lambda s, p: not cluster_sum(p) or p.bm * p.bn * 4 <= p.stages * (p.bm + p.bn) * ROW_BYTES,
          lambda s, p: f"split_sum cluster keeps a {p.bm}×{p.bn} fp32 partial in the stages' "
                       f"{p.stages * (p.bm + p.bn) * ROW_BYTES} bytes: use more stages"),
     Rule("plant", lambda s, p: p.plant in PLANTED_BUGS, lambda s, p: f"unknown planted bug {p.plant!r}"),
     Rule("plant", lambda s, p: p.plant not in SPLIT_PLANTS or reduces(p) and not p.stream_k,
          lambda s, p: f"{p.plant} is a bug of the split-K reduction through the workspace: plant it with split_k > 1 "
-                      "and split_sum global"),
+                      "and split_sum global or ticket"),
     Rule("plant", lambda s, p: p.plant != "proxy_fence" or epilogue(s, p) == "tma",
          lambda s, p: "the proxy fence belongs to the TMA store: plant proxy_fence with epilogue tma (and N·size a "
                       "multiple of 16 bytes)"),
@@ -677,6 +695,7 @@ class GemmSm90(OpFamily):
                 + f"_{order}_r{p.producer_regs}"
                 f"_f{p.inflight}" + (f"_a{p.chains}" if p.chains > 1 else "")
                 + f"_{epilogue(shape, p)}" + (f"_k{p.split_k}" if p.split_k > 1 else "") + ("c" if cluster_sum(p) else "")
+                + ("t" if ticket_sum(p) else "")
                 + ("_sk" if p.stream_k else "")
                 + ("_sw" if p.swap else "")
                 + (f"_bug_{p.plant}" if p.plant else "") + ("_early" if p.early_copies else "")
@@ -725,7 +744,7 @@ class GemmSm90(OpFamily):
             SPLIT_BARRIER="3 + consumer" if p.schedule == "pingpong" else "3",
             SPLIT_FLAG_AT=p.stages * stage_bytes + c_stage + 16 * p.stages + (16 if p.schedule == "pingpong" else 0),
             STAMPS=p.stamps, STAMP_CTAS=STAMP_CTAS, STAMP_SLOTS=STAMP_SLOTS, EARLY_COPIES=p.early_copies,
-            CLUSTER_SUM=cluster_sum(p),
+            CLUSTER_SUM=cluster_sum(p), TICKET=ticket_sum(p),
         )
 
     def source(self, shape: Shape, p: Params) -> Source:
