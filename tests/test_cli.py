@@ -134,7 +134,7 @@ def test_help_names_the_ops_and_every_preset_and_tags_no_flag_with_a_type():
     text = " ".join(done.stdout.split())
     assert done.returncode == 0
     assert "op family: gemm_sm90, layernorm, matmul" in text
-    assert "gemm_sm90: quick, full, skinny, skinny_chains, mid; layernorm: quick, short, long, full; matmul: quick, explore, wide, full" in text
+    assert "gemm_sm90: quick, full, skinny, skinny_chains, skinny_tail, mid; layernorm: quick, short, long, full; matmul: quick, explore, wide, full" in text
     assert "--json <bool>" not in text and "--json" in text
 
 

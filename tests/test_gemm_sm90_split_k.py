@@ -193,6 +193,9 @@ def test_by_ticket_the_last_unit_stores_no_partial_and_waits_on_a_second_counter
     assert c.stores_of("counters") == 2  # both reset by the last unit
     tiles = counters(shape, p) // 2
     assert f"wait_count(counters + {tiles} + tile, 1);" in text
+    # the ticket taken in the main loop, as the last step begins, before that step's wait for its stage
+    taken = text.index("if (kb == kb_end - 1 && threadIdx.x == 128)")
+    assert "atom.relaxed.gpu.global.add.u32" in text[taken:text.index("wait_phase(full_bar", taken)]
     # the partial is stored only where the ticket was not the last
     assert text.index("if (!*last_flag) {") < text.index("tensor=workspace") < text.index("wait_count(counters")
     plain = OP.source(shape, dataclasses.replace(p, split_sum="global")).text

@@ -530,6 +530,11 @@ def test_a_preset_with_a_base_narrows_the_base_s_axes_then_its_own():
     assert {axis: v for axis, v in chained.items() if axis != "chains"} == \
         {axis: v for axis, v in skinny.items() if axis != "chains"}
     assert "base" not in chained
+    # a base's own base first: skinny_tail is skinny_chains with the split summed by ticket as well
+    tail = dict(load_space(gemm, "skinny_tail").axes)
+    assert tail["split_sum"] == ("global", "ticket") and tail["chains"] == (1, 2)
+    assert {axis: v for axis, v in tail.items() if axis != "split_sum"} == \
+        {axis: v for axis, v in chained.items() if axis != "split_sum"}
 
 
 @pytest.mark.parametrize("base, why", [("narrow", "is not a preset"), ("skinny_chains", "leads back to itself")])
