@@ -47,7 +47,7 @@ MIN_FLUSH_BYTES = 256 << 20  # the least a cold sample writes before its launch
 HOT_LAUNCHES_PER_GRAPH = 20  # at most: fewer where a replay would last longer than HOT_REPLAY_US
 # A replay of a hot graph lasts about this long at most: a launch longer than HOT_REPLAY_US / HOT_LAUNCHES_PER_GRAPH
 # is captured fewer times (once at least). The gaps between replays, a few microseconds, are then under a thousandth
-# of a replay, and a 17 ms launch is not run 20 times for every sample (most of a whole sweep's time went there).
+# of a replay, and a 17 ms launch (70B's gate_up at M = 8192) is not run 20 times for every sample.
 HOT_REPLAY_US = 5000.0
 # How long the GPU is held before each timed sample while the host queues it (hold): longer than any subject's host
 # path from the flush to its launch (Inductor's guards, Triton's launcher: tens of microseconds)
