@@ -272,15 +272,23 @@ def tune(op: Op, shape: Any, run: dict[str, int], space: Space, backend: Backend
     keys = _keys(op, valid)
     from_earlier_runs = len(_finished(study, op, shape, keys))
     first = _first(op, shape, space)
+    starting = [*(_beside(incumbent, space, unrecorded) if incumbent is not None else ()), *seeds, *first]
     if from_earlier_runs < budget:
-        for params in [*(_beside(incumbent, space, unrecorded) if incumbent is not None else ()), *seeds, *first]:
+        for params in starting:
             _start_with(study, op, shape, keys, params)
     # Compile in parallel, up front, what the search will measure (all of it when exhaustive; every unmeasured
-    # config where TPE will try most of them); each trial then finds its variant in the cache.
+    # config where TPE will try most of them; else the configs it measures first), each trial then finding its
+    # variant in the cache: compiled one at a time by their trials, they would leave the GPU idle meanwhile.
     finished = _finished(study, op, shape, keys)
     unmeasured = [p for k, p in keys.items() if k not in finished]
     left = budget - from_earlier_runs
-    ahead = unmeasured[:left] if exhaustive else (unmeasured if len(unmeasured) <= _PREBUILD_PER_TRIAL * left else [])
+    if exhaustive:
+        ahead = unmeasured[:left]
+    elif len(unmeasured) <= _PREBUILD_PER_TRIAL * left:
+        ahead = unmeasured
+    else:
+        enqueued = {params_key(op, p): p for p in starting if params_key(op, p) in keys}
+        ahead = [p for k, p in enqueued.items() if k not in finished][:max(left, 0)]
     prebuild(op, shape, ahead, backend.arch, progress=(lambda i, n: progress("compiling", i, n)) if progress else None)
     others = helpers(study) if helpers else None
     try:

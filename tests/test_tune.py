@@ -363,6 +363,19 @@ def test_the_winners_of_nearby_shapes_are_measured_after_the_stored_winner_where
     assert len(backend.evaluated) == len(set(backend.evaluated)) == 6
 
 
+def test_a_search_compiles_the_configs_it_measures_first_up_front(recording_path, recording, recorded, tmp_path,
+                                                                   monkeypatch):
+    # TPE over more configs than it will try: what it compiles ahead is the stored winner and the seeds in the space
+    stored, *seeds = unreached_by_a_plain_search(recording_path, recording, recorded, tmp_path)[:3]
+    outside = next(p for p in expand(OP, SHAPE, QUICK)[0] if p not in expand(OP, SHAPE, recorded)[0])
+    compiled = []
+    monkeypatch.setattr("mage_gen.tune.prebuild", lambda op, shape, params, arch, progress=None: compiled.extend(params))
+    (tmp_path / "ahead").mkdir()
+    run_tune(Recorder(recording_path), recorded, tmp_path / "ahead", study_name="ahead", trials=6, incumbent=stored,
+             seeds=[outside, *seeds])
+    assert kernels(compiled) == kernels([stored, *seeds])
+
+
 def test_a_sqlite_study_is_journaled_ahead_once_it_is_known_to_be_ours(recording_path, small, tmp_path):
     run_tune(Recorder(recording_path), small, tmp_path, study_name="wal", trials=2)
     with sqlite3.connect(tmp_path / "studies.db") as db:
