@@ -711,7 +711,7 @@ def test_a_gemm_at_an_untuned_m_runs_the_nearest_class_and_an_untuned_n_k_says_h
 
     op = get_op("gemm_sm90")
     h200 = gpu.DeviceInfo("NVIDIA H200", (9, 0), 132, 60 << 20, 232448, "13.0")
-    for m, tuned_at in ((1, 16), (40, 32), (300, 256), (400, 512), (2048, 4096), (100000, 4096)):
+    for m, tuned_at in ((1, 16), (40, 32), (300, 256), (400, 512), (2048, 4096), (6000, 8192), (100000, 8192)):
         served = load_winner(op, op.shape(m=tuned_at, n=4096, k=4096), h200.name)
         assert runtime.choose(op, op.shape(m=m, n=4096, k=4096), {}, h200, True) == (served.params, served.entry)
     with pytest.raises(LaunchError, match=r"^gemm_sm90: nothing is tuned for n=4096, k=4096, b_layout=kn at any M on "
