@@ -701,3 +701,11 @@ def test_early_copies_on_the_interpreter_match_numpy_bit_for_bit_at_tails(values
     inputs = _whole_numbers(shape, np.random.default_rng(5))
     out = interp.launch_with(OP, shape, variant, {}, inputs)["C"]
     assert np.array_equal(out.view(np.uint8), BFLOAT16.round(OP.reference(shape, inputs, {})["C"]).view(np.uint8))
+
+
+def test_a_label_tells_apart_every_config_that_renders_another_kernel():
+    # a probe names its subjects by label: two configs of one label would be timed as one
+    base = OP.params_from_dict({"bm": 64, "bn": 128, "consumers": 1, "split_k": 4})
+    others = [dataclasses.replace(base, early_copies=True), dataclasses.replace(base, stamps=True),
+              dataclasses.replace(base, split_sum="ticket")]
+    assert len({p.label() for p in [base, *others]}) == 4

@@ -213,6 +213,7 @@ class Params:
                 + (" in a cluster" if cluster_sum(self) else "") + (" by ticket" if ticket_sum(self) else "")
                 + (" stream-k" if self.stream_k else "")
                 + (" swap" if self.swap else "")
+                + (" early copies" if self.early_copies else "") + (" stamps" if self.stamps else "")
                 + (f" PLANTED {self.plant}" if self.plant else ""))
 
 
