@@ -30,7 +30,7 @@ CTAs (rank = slice, a CTA per unit); each stores its partial into its own stages
 meets at a barrier, and CTA 0 reads the others' partials (ld.shared::cluster) and sums them in slice order, the same
 sums in the same order as through the workspace, with no workspace, counters, gpu-scope fence or atomic; a second
 cluster barrier at the end keeps every CTA's shared memory until CTA 0 has read it.
-`split_sum` ticket shortens the last unit's path: each unit takes a ticket on the tile's counter as its last K step
+`split_sum` ticket takes the last unit's own partial off its path: each unit takes a ticket on the tile's counter as its last K step
 begins (the atomic's round trip under that step); the units before the last store their partials and count them on
 a second counter (a release), and the one with the last ticket stores nothing: it waits until the second counter
 says the others' partials are stored (an acquire; they took their tickets first and wait for nothing but their own
