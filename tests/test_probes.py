@@ -65,3 +65,15 @@ def test_the_timeline_probe_turns_each_cta_s_clocks_into_spans_at_the_global_tim
     assert got["main loops: first full stage to the last loop's end"]["max"] == 10.0
     assert got["after the loops: sums and stores"]["median"] == 2.0
     assert phases(stamps, 0) == {"ctas_with_units": 0}
+
+
+def test_the_decoder_layer_kernels_probe_refuses_a_way_it_does_not_have_before_it_opens_a_gpu():
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")  # bench/'s peers
+    done = subprocess.run([sys.executable, "-m", "bench.probes.decoder_layer_kernels", "--tokens", "128", "--way",
+                           "compile-reduce-overhead"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert "--way takes 'eager', 'compile', 'compile-max-autotune', 'mage-gen patched" in done.stderr
+    assert "Traceback" not in done.stderr

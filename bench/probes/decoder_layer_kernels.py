@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 from mage_gen import gpu
 
 from bench._common import provenance, write_result
-from bench.decoder_layer import MODELS, TOLERANCE, make_ways, relative_error
+from bench.decoder_layer import MODELS, PATCHED, TOLERANCE, make_ways, relative_error
 
 FORWARDS = 20
 WARMUP = 3
@@ -63,7 +63,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=list(MODELS), default="llama3-8b")
     parser.add_argument("--tokens", type=int, action="append", required=True)
+    parser.add_argument("--way", action="append", help="profile only these ways (default: all); max-autotune's "
+                                                       "compiles take minutes where Inductor's cache is cold")
     args = parser.parse_args()
+    known = ("eager", "compile", "compile-max-autotune", PATCHED)
+    if set(args.way or ()) - set(known):
+        parser.error(f"--way takes {', '.join(map(repr, known))}")
     device = gpu.open_device()
     rows = []
     for tokens in args.tokens:
@@ -71,6 +76,8 @@ def main() -> None:
         row = {"tokens": tokens, "routes": {"linear": routes.linear, "norm": routes.norm}, "ways": {}}
         with torch.inference_mode():
             for way, fn in ways.items():
+                if args.way and way not in args.way:
+                    continue
                 error = relative_error(fn(*inputs), expected)
                 if not error <= TOLERANCE:
                     row["ways"][way] = {"error": f"relative error {error:.3g} > {TOLERANCE}; not profiled"}
