@@ -22,11 +22,16 @@ Under torch.compile, an Inductor post-grad pass (Fusions) fuses what a custom op
   from the sums, and the product is never written nor read back;
 - an add of a routed linear's product, its only use, and a tensor of its shape (fuse_residual_linears, after the
   norms have taken the sums they normalize): the kernel adds it in its epilogue (linear(..., residual=r)).
+The gate and the add are fused only where the fused form runs mage-gen's kernel at the graph's M: where its serving
+entry's tune timed cuBLAS faster (dispatch.PEER_RULE), the custom op would run torch's gate or add after cuBLAS's
+product, unfused and out of Inductor's reach, so the product is left apart and Inductor fuses the gate or the add its
+own way, as for torch's layer.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import operator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -303,7 +308,7 @@ def fuse_residual_linears(graph: torch.fx.Graph) -> None:
             if not (product.target is torch.ops.mage_gen.linear.default and _only_feeds([product], {total})):
                 continue
             values = _linear_values(product)
-            if values["residual"] is not None:
+            if values["residual"] is not None or not _kernel_runs(values, residual=True):
                 continue
             with graph.inserting_before(total):
                 fused = graph.call_function(torch.ops.mage_gen.linear.default,
@@ -334,7 +339,7 @@ def fuse_gated_linears(graph: torch.fx.Graph) -> None:
             if linear is None or not _only_feeds([*chain, gate_half, up], {mul}):
                 continue
             values = _linear_values(linear)
-            if values["gate"] != "none" or values["residual"] is not None:
+            if values["gate"] != "none" or values["residual"] is not None or not _kernel_runs(values, gate="silu"):
                 continue
             with graph.inserting_before(mul):
                 gated = graph.call_function(torch.ops.mage_gen.linear.default,
@@ -346,6 +351,23 @@ def fuse_gated_linears(graph: torch.fx.Graph) -> None:
                 if node.graph is graph and not node.users:
                     graph.erase_node(node)
             break
+
+
+def _kernel_runs(values: dict[str, Any], **form: Any) -> bool:
+    """Whether mage_gen::linear with these arguments, in this form (gate, residual: what a fusion would add), runs
+    mage-gen's kernel: not where cublas_where_faster hands the product to cuBLAS (dispatch.PEER_RULE), which computes
+    the gate or the add after it as torch's own ops, unfused and hidden from Inductor inside the custom op. Where M is
+    symbolic the launch decides, and a fusion is kept."""
+    if not values["cublas_where_faster"] or values["scale_x"] is not None:
+        return True
+    x, weight = (values[name].meta.get("val") if isinstance(values[name], torch.fx.Node) else None
+                 for name in ("x", "weight"))
+    if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)
+            and all(isinstance(d, int) for d in (*x.shape, *weight.shape))):
+        return True
+    m, (n, k) = math.prod(x.shape[:-1]), weight.shape
+    forms = {"gate": values["gate"], "bias": values["bias"] is not None, "residual": values["residual"] is not None}
+    return not mt.serves_cublas(x.device.index or 0, m, n, k, **{**forms, **form})
 
 
 def _linear_values(node: torch.fx.Node) -> dict[str, Any]:

@@ -28,7 +28,7 @@ import numpy as np
 
 from mage_gen import dispatch, gpu
 from mage_gen.census import Census, aligned_contract
-from mage_gen.errors import ConfigError, LaunchError, StoreError
+from mage_gen.errors import ConfigError, LaunchError, NoGpuError, StoreError
 from mage_gen.ops import OPS, Op, get_op
 from mage_gen.ops.base import WORKING_KINDS, TensorMapSpec, launch_args, shape_dict, tensor_maps
 from mage_gen.store import load_entry, load_winners, pick_winner, store_file, tuned_dirs, tuned_shapes
@@ -289,6 +289,17 @@ def _prepare(op: Op, dims: dict[str, Any], run: dict[str, int], context: int, tu
             compiled.cubin, compiled.kernel_name, op.geometry(shape, params, run).dynamic_shared_bytes)
     return Prepared(op, shape, params, run, kernel, variant.census,
                     cublas_faster=entry is not None and dispatch.peer_faster(entry))
+
+
+def peer_serves(op_name: str, dims: dict[str, Any], device: int) -> bool:
+    """Whether the tuned/ entry that serves this shape on `device` timed its peer faster (dispatch.PEER_RULE), read
+    without compiling a kernel; False where no entry serves it (a launch would raise) or no GPU answers."""
+    op = get_op(op_name)
+    try:
+        _, entry = choose(op, op.shape(**dims), {}, gpu.device_info(device), tuned_only=True)
+    except (ConfigError, LaunchError, NoGpuError):
+        return False
+    return entry is not None and dispatch.peer_faster(entry)
 
 
 def choose(op: Op, shape: Any, run: dict[str, int], device: gpu.DeviceInfo,

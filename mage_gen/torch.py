@@ -425,6 +425,17 @@ def _gemm_launch(index: int, m: int, n: int, k: int, b_layout: str, precision: s
     return prepared
 
 
+def serves_cublas(index: int, m: int, n: int, k: int, gate: str = "none", bias: bool = False,
+                  residual: bool = False) -> bool:
+    """Whether linear(..., cublas_where_faster=True) of this bf16 product on device `index` calls cuBLAS
+    (dispatch.PEER_RULE), as its serving entry's tune timed, read without compiling the kernel."""
+    prepared = launches.get((index, _GEMM.name, m, n, k, "nk", "bf16", gate, bias, residual))
+    if prepared is not None:
+        return prepared.cublas_faster
+    return runtime.peer_serves(_GEMM.name, {"m": m, "n": n, "k": k, "b_layout": "nk", "precision": "bf16",
+                                            "gate": gate, "bias": bias, "residual": residual}, index)
+
+
 def _gemm(index: int, prepared: runtime.Prepared, c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, b_layout: str,
           scales: tuple[torch.Tensor, ...] = (), addends: tuple[torch.Tensor, ...] = ()) -> None:
     fn = (_GEMM if b_layout == "nk" else _MATMUL).torch_name

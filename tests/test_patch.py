@@ -17,6 +17,13 @@ H200 = "NVIDIA H200"
 BF16 = torch.bfloat16
 
 
+@pytest.fixture(autouse=True)
+def kernel_serves_every_product(monkeypatch):
+    """The fusions ask tuned/ whether cuBLAS serves a product (mage_gen.torch.serves_cublas): here nothing does, the
+    same on a machine with a GPU as without, unless a test says otherwise."""
+    monkeypatch.setattr(mt, "serves_cublas", lambda *shape, **form: False)
+
+
 class HFRMSNorm(torch.nn.Module):  # the Hugging Face kind: a class named *RMSNorm with variance_epsilon
     def __init__(self, d):
         super().__init__()
@@ -239,3 +246,37 @@ def test_an_mlp_whose_joined_weight_is_untuned_is_left_to_its_layers_and_says_wh
     assert routes.left["0 (gate and up as one)"] == ("nothing tuned for their joined weight N=2000, K=4096 on this GPU: "
                                                      "mage-gen tune gemm_sm90 --m 128 --n 2000 --k 4096 --config gate=silu")
     assert set(routes.left) == {"0 (gate and up as one)", "0.gate_proj", "0.up_proj", "0.down_proj"}
+
+
+def test_a_fusion_is_left_where_cublas_serves_the_fused_form_and_asked_only_where_cublas_may_serve(monkeypatch):
+    """Where the fused form's serving entry timed cuBLAS faster, linear(..., cublas_where_faster=True) would compute the
+    gate or the add after cuBLAS's product as torch's own ops inside the custom op: the fusions leave the product to
+    Inductor's own gate and add instead. A product not asked to defer to cuBLAS is fused without asking."""
+    asked = []
+
+    def serves(index, m, n, k, gate="none", bias=False, residual=False):
+        asked.append((m, n, k, gate, bias, residual))
+        return gate == "silu" or residual
+
+    monkeypatch.setattr(mt, "serves_cublas", serves)
+
+    def mlp(x, w, r):
+        gate, up = torch.ops.mage_gen.linear(x, w, None, None, None, True).chunk(2, -1)
+        return torch.nn.functional.silu(gate) * up
+
+    def residual(x, w, r):
+        return torch.ops.mage_gen.linear(x, w, None, None, None, True) + r
+
+    for fn, w, r in ((mlp, (2048, 4096), (8, 1024)), (residual, (4096, 4096), (8, 4096))):
+        gm = decomposed(fn, (8, 4096), w, r)
+        before = targets(gm)
+        routing.Fusions()(gm.graph)
+        assert targets(gm) == before, fn.__name__
+    assert asked == [(8, 2048, 4096, "silu", False, False), (8, 4096, 4096, "none", False, True)]
+
+    def unasked(x, w, r):
+        return torch.ops.mage_gen.linear(x, w, None) + r
+
+    gm = decomposed(unasked, (8, 4096), (4096, 4096), (8, 4096))
+    routing.Fusions()(gm.graph)
+    assert torch.ops.aten.add.Tensor not in targets(gm) and len(asked) == 2

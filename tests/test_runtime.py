@@ -769,3 +769,26 @@ def test_a_gated_gemm_with_no_entry_of_its_own_runs_its_plain_weights_unless_the
     assert dispatch.choose_class(op, gated_16, tuned)[0].m == 512  # the swapped class at 16 cannot pair its sums
     own = op.shape(m=256, n=6144, k=4096, gate="silu")
     assert dispatch.choose_class(op, gated_16, {**tuned, own: op.params_from_dict({"bm": 64, "bn": 64, "consumers": 1})})[0] == own
+
+
+def test_whether_cublas_serves_a_product_is_read_from_its_serving_entry_without_compiling(monkeypatch):
+    from mage_gen import dispatch, gpu
+    from mage_gen.errors import NoGpuError
+
+    op = get_op("gemm_sm90")
+    h200 = gpu.DeviceInfo("NVIDIA H200", (9, 0), 132, 60 << 20, 232448, "13.0")
+    monkeypatch.setattr(gpu, "device_info", lambda ordinal=0: h200)
+    monkeypatch.setattr(runtime, "build", lambda *args: pytest.fail("compiled a kernel"))
+    served = {}
+    for m in (16, 40, 2048, 6000):
+        dims = {"m": m, "n": 6144, "k": 4096, "gate": "silu" if m == 40 else "none"}
+        served[m] = runtime.peer_serves("gemm_sm90", dims, 0)
+        assert served[m] == dispatch.peer_faster(runtime.choose(op, op.shape(**dims), {}, h200, True)[1])
+    assert set(served.values()) == {True, False}  # the stored tunes saw cuBLAS win at some M and lose at others
+    assert not runtime.peer_serves("gemm_sm90", {"m": 16, "n": 1000, "k": 4096}, 0)  # nothing tuned: the launch raises
+
+    def no_gpu(ordinal=0):
+        raise NoGpuError("no CUDA driver on this machine")
+
+    monkeypatch.setattr(gpu, "device_info", no_gpu)
+    assert not runtime.peer_serves("gemm_sm90", {"m": 16, "n": 6144, "k": 4096}, 0)
