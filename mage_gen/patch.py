@@ -44,7 +44,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import mage_gen.torch as mt
 from mage_gen.ops import get_op
-from mage_gen.store import tuned_shapes
+from mage_gen.store import tuned_dirs, tuned_shapes
 
 _BF16 = torch.bfloat16
 
@@ -261,8 +261,13 @@ class Fusions(CustomGraphPass):
             self.then(graph)
 
     def uuid(self) -> Any:
-        mine = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
-        return (mine, self.then.uuid() if isinstance(self.then, CustomGraphPass) else repr(self.then))
+        mine = hashlib.sha256(Path(__file__).read_bytes())
+        # the fusions ask tuned/ which products cuBLAS serves (_kernel_runs): Inductor must not reuse a graph
+        # compiled before a tune changed the answer
+        for folder in tuned_dirs():
+            for entries in sorted(folder.glob("*/gemm_sm90.json")):
+                mine.update(entries.read_bytes())
+        return (mine.hexdigest(), self.then.uuid() if isinstance(self.then, CustomGraphPass) else repr(self.then))
 
 
 def fuse_residual_norms(graph: torch.fx.Graph) -> None:

@@ -280,3 +280,17 @@ def test_a_fusion_is_left_where_cublas_serves_the_fused_form_and_asked_only_wher
     gm = decomposed(unasked, (8, 4096), (4096, 4096), (8, 4096))
     routing.Fusions()(gm.graph)
     assert torch.ops.aten.add.Tensor not in targets(gm) and len(asked) == 2
+
+
+def test_the_fusions_key_inductors_cache_on_the_tuned_gemm_entries_they_read(monkeypatch, tmp_path):
+    """A compiled graph's fusions follow which products cuBLAS serves, read from tuned/: a tune that changes a gemm
+    entry must change the pass's key, or Inductor would reuse a graph fused by the old answer."""
+    monkeypatch.setenv("MAGE_GEN_TUNED", str(tmp_path))
+    (tmp_path / "h200").mkdir()
+    keys = []
+    for text in ('{"entries": {}}', '{"entries": {"m=16": {}}}'):
+        (tmp_path / "h200" / "gemm_sm90.json").write_text(text)
+        keys.append(routing.Fusions().uuid())
+        (tmp_path / "h200" / "rmsnorm.json").write_text(text + " ")  # another op's file: not read by the fusions
+        assert routing.Fusions().uuid() == keys[-1]
+    assert keys[0] != keys[1]
