@@ -38,6 +38,7 @@ TOLERANCE = 2 ** -6
 # The figures: the patched, compiled layer against the best compiled mode of the same layer
 FASTER_BY, AT_LEAST_TOKENS = 0.03, 2048
 PATCHED = "mage-gen patched, compile-max-autotune"
+WAYS = ("eager", "compile", "compile-max-autotune", PATCHED)
 
 
 class LlamaLayer(nn.Module):
@@ -122,9 +123,9 @@ def make_ways(name: str, tokens: int) -> tuple[dict, tuple, torch.Tensor, Any]:
     with torch.no_grad():
         expected = reference(*(a.float() for a in args))
     torch._dynamo.reset()
-    ways = {"eager": layer, "compile": torch.compile(layer),
-            "compile-max-autotune": torch.compile(copy.deepcopy(layer), mode="max-autotune-no-cudagraphs"),
-            PATCHED: torch.compile(patched, mode="max-autotune-no-cudagraphs")}
+    ways = dict(zip(WAYS, (layer, torch.compile(layer),
+                           torch.compile(copy.deepcopy(layer), mode="max-autotune-no-cudagraphs"),
+                           torch.compile(patched, mode="max-autotune-no-cudagraphs"))))
     return ways, args, expected, routes
 
 

@@ -429,9 +429,6 @@ def serves_cublas(index: int, m: int, n: int, k: int, gate: str = "none", bias: 
                   residual: bool = False) -> bool:
     """Whether linear(..., cublas_where_faster=True) of this bf16 product on device `index` calls cuBLAS
     (dispatch.PEER_RULE), as its serving entry's tune timed, read without compiling the kernel."""
-    prepared = launches.get((index, _GEMM.name, m, n, k, "nk", "bf16", gate, bias, residual))
-    if prepared is not None:
-        return prepared.cublas_faster
     return runtime.peer_serves(_GEMM.name, {"m": m, "n": n, "k": k, "b_layout": "nk", "precision": "bf16",
                                             "gate": gate, "bias": bias, "residual": residual}, index)
 

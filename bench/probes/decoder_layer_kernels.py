@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 from mage_gen import gpu
 
 from bench._common import provenance, write_result
-from bench.decoder_layer import MODELS, PATCHED, TOLERANCE, make_ways, relative_error
+from bench.decoder_layer import MODELS, TOLERANCE, WAYS, make_ways, relative_error
 
 FORWARDS = 20
 WARMUP = 3
@@ -66,9 +66,8 @@ def main() -> None:
     parser.add_argument("--way", action="append", help="profile only these ways (default: all); max-autotune's "
                                                        "compiles take minutes where Inductor's cache is cold")
     args = parser.parse_args()
-    known = ("eager", "compile", "compile-max-autotune", PATCHED)
-    if set(args.way or ()) - set(known):
-        parser.error(f"--way takes {', '.join(map(repr, known))}")
+    if set(args.way or ()) - set(WAYS):
+        parser.error(f"--way takes {', '.join(map(repr, WAYS))}")
     device = gpu.open_device()
     rows = []
     for tokens in args.tokens:
