@@ -67,6 +67,10 @@ def product_params(op, shape, device, tune_missing: bool, untuned: bool, tune_fl
         served = choose_class(op, shape, tuned_shapes(op, device.name)) if classes else None
         if served is not None:
             return served[1], f"class: the entry tuned at {shape_dict(served[0])}"
+        if classes and not untuned:
+            raise StoreError(f"nothing tuned on {device.name} serves it: no entry of its own, and none of the same "
+                             f"fields but M whose params are valid at M={shape.m}; tune it: mage-gen tune {op.name} "
+                             + " ".join(flags)) from None
         if not untuned:
             raise
     params = op.params_from_dict(op.defaults(shape))

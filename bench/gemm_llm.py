@@ -4,8 +4,9 @@ per-tensor scales, against torch._scaled_mm), fp32 sums, C bf16, B given N×K (a
 throughput, every kernel and peer gated first (bench/gemm_sm90.py's bench_one). Each shape runs this GPU's tuned
 winner (--tune-missing tunes one first, with --preset; --classes takes the entry tuned at the nearest M, as the
 runtime and mage_gen.torch.linear do; --untuned takes the op's default config). The result file
-is rewritten after every shape, so a run cut short keeps what it measured, and --resume measures only the shapes
-it lacks: a row is kept where it was measured on this GPU with the kernel that would run now (the same params and
+is rewritten after every shape, so a run cut short keeps what it measured (and the earlier rows of the shapes it did
+not reach); a shape that nothing tuned serves stops the run with one line naming the tune to run (exit 2). --resume
+measures only the shapes it lacks: a row is kept where it was measured on this GPU with the kernel that would run now (the same params and
 kernel text), each shape's figures being paired with its peers within its own process. Writes
 bench/results/<gpu>/gemm_llm.json.
 
@@ -19,8 +20,10 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from mage_gen import gpu
+from mage_gen.errors import ConfigError, StoreError
 from mage_gen.measure import HOT_LAUNCHES_PER_GRAPH, hot_launches
 from mage_gen.ops import get_op
 from mage_gen.ops.gemm_sm90 import ELEMENTS
@@ -36,6 +39,10 @@ LAYERS = {
 }
 # The figures a bf16 sweep must reach, as shares of cuBLAS's hot throughput (1 / the paired rounds' median time)
 GEOMEAN_TARGET, FLOOR_TARGET = 1.05, 0.95
+# The peer each precision's rows are paired with (the family cublas: mage_gen/peers.py)
+PEERS = {"bf16": "torch.matmul(A, B.t()) with bf16 A, B and C (F.linear's product)",
+         "e4m3": "torch._scaled_mm (cuBLASLt) of the same e4m3 A and B and per-tensor scales, C bf16, the faster of "
+                 "fast and exact accumulation"}
 
 
 def share(row: dict, method: str) -> float | None:
@@ -146,16 +153,25 @@ def main() -> None:
     earlier = _earlier_rows(device, name, args.precision) if args.resume else {}
     whole = args.model == "all" and not args.m
     rows: list[dict] = []
-    doc: dict = {}
     began, longest = time.monotonic(), 0.0
+
+    def save(reached: int) -> Path:
+        """The file as it stands: the rows measured or kept so far, then the earlier rows of the shapes not reached
+        (kept for the next --resume to check, so that a run cut short loses none of them)."""
+        later = [earlier[(mo, la, mm)] for mo, la, mm, _, _ in cases[reached:] if (mo, la, mm) in earlier]
+        doc = {"what": "mage-gen's Hopper GEMM against cuBLAS and Triton at Llama-3's linear layers, recorded by "
+                       "bench/gemm_llm.py",
+               "method": {**timing_method(ROUNDS, PER_ROUND),
+                          "gate": "bench/gemm_sm90.py's: fresh inputs, a NaN-poisoned fenced output against float64",
+                          "share": "cuBLAS's time over ours by round, the median of the rounds (paired)",
+                          "cublas": PEERS[args.precision]},
+               **provenance(device), "precision": args.precision, "shapes": rows + later,
+               "summary": summarize(rows + later, reached == len(cases), whole, args.precision, device.l2_bytes)}
+        return write_result(device, name, json.dumps(doc, indent=1) + "\n")
+
     for done, (model, layer, m, n, k) in enumerate(cases, 1):
         if args.budget_s is not None and time.monotonic() - began + longest > args.budget_s:
-            # the earlier rows of the shapes not reached stay in the file, for the next --resume to check
-            later = [earlier[(mo, la, mm)] for mo, la, mm, _, _ in cases[done - 1:] if (mo, la, mm) in earlier]
-            write_result(device, name, json.dumps({**doc, "shapes": rows + later,
-                                                   "summary": summarize(rows + later, False, whole, args.precision,
-                                                                       device.l2_bytes)},
-                                                  indent=1) + "\n")
+            save(done - 1)
             print(f"stopping before {model} {layer} M={m}: the budget of {args.budget_s:.0f} s would not hold another "
                   "shape; --resume goes on", flush=True)
             return
@@ -163,7 +179,13 @@ def main() -> None:
         shape = op.shape(m=m, n=n, k=k, precision=args.precision)
         tune_flags = ["--precision", args.precision, "--objective", "both", "--trials", str(args.trials),
                       *(["--preset", args.preset] if args.preset else [])]
-        params, chosen = product_params(op, shape, device, args.tune_missing, args.untuned, tune_flags, args.classes)
+        try:
+            params, chosen = product_params(op, shape, device, args.tune_missing, args.untuned, tune_flags,
+                                            args.classes)
+        except (StoreError, ConfigError) as exc:
+            save(done - 1)
+            print(f"error: {model} {layer} {m}x{n}x{k}: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
         row = earlier.get((model, layer, m))
         if row is not None and (row.get("params"), row.get("source_hash")) == (
                 op.params_to_dict(params), op.source(shape, params).source_hash) and share(row, "hot") \
@@ -178,19 +200,9 @@ def main() -> None:
         print(f"[{done}/{len(cases)}] {model} {layer:7} {m}x{n}x{k}: "
               + (f"share of cuBLAS hot {hot:.4f} cold {cold:.4f} ({how})" if hot and cold
                  else f"FAILED GATE {row['gate']['reason']}"), flush=True)
-        doc = {
-            "what": "mage-gen's Hopper GEMM against cuBLAS and Triton at Llama-3's linear layers, recorded by "
-                    "bench/gemm_llm.py",
-            "method": {**timing_method(ROUNDS, PER_ROUND),
-                       "gate": "bench/gemm_sm90.py's: fresh inputs, a NaN-poisoned fenced output against float64",
-                       "share": "cuBLAS's time over ours by round, the median of the rounds (paired)",
-                       "cublas": "torch.matmul(A, B.t()) with bf16 A, B and C (F.linear's product)"},
-            **provenance(device), "precision": args.precision, "shapes": rows,
-            "summary": summarize(rows, done == len(cases), whole, args.precision, device.l2_bytes),
-        }
-        out = write_result(device, name, json.dumps(doc, indent=1) + "\n")
+        out = save(done)
         longest = max(longest, time.monotonic() - started)
-    print(json.dumps(doc["summary"], indent=1))
+    print(json.dumps(summarize(rows, True, whole, args.precision, device.l2_bytes), indent=1))
     print(f"wrote {out}", file=sys.stderr)
 
 

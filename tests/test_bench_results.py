@@ -1,0 +1,58 @@
+"""What the benches write and conclude, on a stand-in GPU: bench/gemm_llm.py's sweep file when a run is cut short."""
+
+import json
+
+import pytest
+
+pytest.importorskip("triton")  # bench/'s peers
+
+from bench import gemm_llm  # noqa: E402
+from mage_gen.errors import StoreError  # noqa: E402
+
+
+class StandInDevice:
+    name = "Stand-in GPU"
+    l2_bytes = 50 << 20
+
+    def to_dict(self) -> dict:
+        return {"name": self.name}
+
+
+def measured_row(layer: str, m: int, n: int, k: int, ratio: float) -> dict:
+    return {"model": "8b", "layer": layer, "m": m, "n": n, "k": k, "chosen": "tuned", "params": {}, "source_hash": "x",
+            "timings": {}, "measured": "earlier", "hot_launches_per_graph": 20,
+            "time_over_cublas_by_round": {"hot": {"mage-gen": {"median": ratio}},
+                                          "cold": {"mage-gen": {"median": ratio}}}}
+
+
+def test_a_sweep_stopped_by_a_shape_nothing_serves_exits_2_and_keeps_the_earlier_rows_of_the_shapes_after_it(
+        tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    device = StandInDevice()
+    monkeypatch.setattr(gemm_llm.gpu, "open_device", lambda: device)
+    monkeypatch.setattr(gemm_llm, "provenance", lambda d: {"gpu": d.to_dict(), "date": "now"})
+    earlier = {"gpu": device.to_dict(), "precision": "bf16",
+               "shapes": [measured_row("gate_up", 16, 28672, 4096, 0.9), measured_row("down", 16, 4096, 14336, 1.1)]}
+    out = tmp_path / "bench/results/stand-in-gpu/gemm_llm.json"
+    out.parent.mkdir(parents=True)
+    out.write_text(json.dumps(earlier))
+
+    def product_params(op, shape, device, tune_missing, untuned, tune_flags, classes):
+        if shape.n == 4096 and shape.k == 4096:  # o: the second shape of the sweep
+            raise StoreError("nothing tuned serves it; tune it: mage-gen tune gemm_sm90 --m 16 --n 4096 --k 4096")
+        return op.params_from_dict(op.defaults(shape)), "tuned"
+
+    monkeypatch.setattr(gemm_llm, "product_params", product_params)
+    monkeypatch.setattr(gemm_llm, "bench_one", lambda op, shape, params, chosen, device: {
+        **measured_row("qkv", shape.m, shape.n, shape.k, 0.8), "measured": None})
+    monkeypatch.setattr("sys.argv", ["gemm_llm", "--model", "8b", "--m", "16", "--resume"])
+    with pytest.raises(SystemExit) as stopped:
+        gemm_llm.main()
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: 8b o 16x4096x4096: nothing tuned serves it")
+    doc = json.loads(out.read_text())
+    assert [(r["layer"], r["measured"]) for r in doc["shapes"]] == [
+        ("qkv", "now"), ("gate_up", "earlier"), ("down", "earlier")]
+    assert doc["summary"]["complete"] is False
+
