@@ -1,4 +1,5 @@
-"""What the benches write and conclude, on a stand-in GPU: bench/gemm_llm.py's sweep file when a run is cut short."""
+"""What the benches write and conclude, on a stand-in GPU: bench/gemm_llm.py's sweep file when a run is cut short,
+bench/decoder_layer.py's verdict."""
 
 import json
 
@@ -6,7 +7,7 @@ import pytest
 
 pytest.importorskip("triton")  # bench/'s peers
 
-from bench import gemm_llm  # noqa: E402
+from bench import decoder_layer, gemm_llm  # noqa: E402
 from mage_gen.errors import StoreError  # noqa: E402
 
 
@@ -56,3 +57,18 @@ def test_a_sweep_stopped_by_a_shape_nothing_serves_exits_2_and_keeps_the_earlier
         ("qkv", "now"), ("gate_up", "earlier"), ("down", "earlier")]
     assert doc["summary"]["complete"] is False
 
+
+def test_the_decoder_layer_s_verdict_takes_the_patched_layer_in_its_faster_mode():
+    def ratio(median: float, low: float, high: float) -> dict:
+        return {"median": median, "low": low, "high": high}
+
+    faster_default = {"best": "compile", "best patched": "mage-gen patched, compile",
+                      "mage-gen patched, compile": ratio(0.965, 0.96, 0.97),
+                      "mage-gen patched, compile-max-autotune": ratio(1.01, 1.0, 1.02)}
+    faster_autotuned = {**faster_default, "best patched": "mage-gen patched, compile-max-autotune"}
+    kept = {"best": "compile", "mage-gen patched, compile-max-autotune": ratio(0.96, 0.95, 0.97)}
+    rows = [{"tokens": 2048, "over_best_compile": {"hot": faster_default}},
+            {"tokens": 16384, "over_best_compile": {"hot": faster_autotuned}},
+            {"tokens": 8192, "over_best_compile": {"hot": kept}},
+            {"tokens": 128, "over_best_compile": {"hot": faster_autotuned}}]
+    assert decoder_layer.verdict(rows) == {2048: True, 16384: False, 8192: True, 128: True}
