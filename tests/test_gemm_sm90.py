@@ -85,6 +85,10 @@ def test_the_kernel_is_built_for_sm_90a_only():
     ((256, 256, 256), {"epilogue": "tma", "bn": 96}, "epilogue: the TMA store writes C in boxes"),
     ((256, 256, 256), {"cluster": 4}, "cluster: cluster is one of"),
     ((256, 256, 256), {"order": "zorder"}, "order: order is one of"),
+    ((64 * 600, 64 * 600, 64), {"bm": 64, "bn": 64, "consumers": 1, "order": "hilbert"},
+     "order: a Hilbert order lists its 600 × 600 tiles in a table, at most 262144"),
+    ((64, 16 << 16, 64), {"bm": 64, "bn": 16, "consumers": 1, "order": "hilbert"},
+     "order: a Hilbert order lists its 1 × 65536 tiles in a table, .* fewer than 65536 a side"),
     ((256, 256, 256), {"plant": "proxy_fence"}, "plant: the proxy fence belongs to the TMA store"),
     ((256, 256, 256), {"swap": True, "epilogue": "tma"}, r"swap: swap \(Cᵀ = B·Aᵀ\) takes B N×K \(nk\), epilogue direct"),
     ((256, 256, 256), {"swap": True, "cluster": 2}, "swap: .* got b_layout nk, epilogue direct, cluster 2"),
@@ -270,6 +274,24 @@ def test_a_small_config_on_the_interpreter_matches_numpy_bit_for_bit_at_tails(c_
     exact = OP.reference(shape, inputs, {})["C"]
     expected = BFLOAT16.round(exact) if c_dtype == "bf16" else exact.astype(np.float32)
     assert out.dtype == expected.dtype and np.array_equal(out.view(np.uint8), expected.view(np.uint8))
+
+
+def test_a_hilbert_order_past_constant_memory_keeps_its_table_in_global_memory(monkeypatch):
+    from mage_gen.ops import gemm_sm90
+
+    hilbert = OP.params_from_dict({"order": "hilbert"})
+    big = OP.shape(m=8192, n=57344, k=8192)  # 64 × 448 tiles of 128×128: more than constant memory's 16384
+    OP.validate(big, hilbert)
+    assert "__device__ const unsigned tile_order[28672] = { 0, 65536, 65537, 1, 2, 3," in OP.source(big, hilbert).text
+    assert "__constant__ unsigned tile_order[32]" in OP.source(OP.shape(m=512, n=1024, k=64), hilbert).text
+    # on the interpreter, with a table made too big for constant memory at a small size: each tile once, C exact
+    monkeypatch.setattr(gemm_sm90, "CONSTANT_ORDER_TABLE", 2)
+    shape = OP.shape(m=129, n=129, k=73)
+    variant = build(OP, shape, OP.params_from_dict({**SMALL, "order": "hilbert", "inflight": 0, "grid": 1}), "sm_90")
+    assert "__device__ const unsigned tile_order[9]" in variant.source.text
+    inputs = _whole_numbers(shape, np.random.default_rng(5))
+    out = interp.launch_with(OP, shape, variant, {}, inputs)["C"]
+    assert np.array_equal(out.view(np.uint8), BFLOAT16.round(OP.reference(shape, inputs, {})["C"]).view(np.uint8))
 
 
 # ---- clusters on the interpreter: a cluster's CTAs run together, multicasting into and arriving on each other ----

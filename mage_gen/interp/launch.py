@@ -229,10 +229,12 @@ def _params(prog: Program, args: list) -> tuple[bytes, list[np.ndarray]]:
     for a in arrays:
         if not a.flags.c_contiguous:
             raise InterpError("array arguments must be C-contiguous (results are copied back into them)")
-    glob = Global(arrays)
-    address_of = {id(a): glob.addresses[i] for i, a in enumerate(arrays)}
+    # the module's own arrays first, where the decoder put their symbols (Program.global_offsets)
+    module = [np.frombuffer(data, dtype=np.uint8).copy() for data in prog.entry.globals.values()]
+    glob = Global(module + arrays)
+    address_of = {id(a): glob.addresses[len(module) + i] for i, a in enumerate(arrays)}
     buf = bytearray(params[-1].offset + params[-1].size if params else 0)
-    k = 0
+    k = len(module)
     for p, a in zip(params, args):
         if isinstance(a, TensorMap):
             if p.size != len(a.encode(0)) or id(a.array) not in address_of:

@@ -27,11 +27,18 @@ Describe = Callable[[int], str]  # thread id in the block -> 'thread (5,0,0) of 
 
 
 class Global:
+    @staticmethod
+    def layout(sizes: list[int]) -> list[int]:
+        """The address of each of arrays of these byte sizes, laid out in turn: 256-byte aligned, GAP_BYTES apart."""
+        starts, total = [], 0
+        for size in sizes:
+            starts.append(GLOBAL_BASE + total)
+            total += -(-size // 256) * 256 + GAP_BYTES
+        return starts
+
     def __init__(self, arrays: list[np.ndarray]):
-        offsets, total = [], 0
-        for a in arrays:
-            offsets.append(total)
-            total += -(-a.nbytes // 256) * 256 + GAP_BYTES
+        offsets = [start - GLOBAL_BASE for start in self.layout([a.nbytes for a in arrays])]
+        total = offsets[-1] + -(-arrays[-1].nbytes // 256) * 256 + GAP_BYTES if arrays else 0
         self.words = np.zeros(max(total, 4) // 4, dtype=np.uint32)
         self.arrays = arrays
         self.starts = np.array([GLOBAL_BASE + o for o in offsets], dtype=np.uint64)

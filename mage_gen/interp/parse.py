@@ -47,6 +47,7 @@ class Entry:
     labels: dict[str, int] = field(default_factory=dict)  # label -> index of the next statement
     body: list[Statement] = field(default_factory=list)
     constants: dict[str, bytes] = field(default_factory=dict)  # module .const arrays of bytes, by name
+    globals: dict[str, bytes] = field(default_factory=dict)  # module .global arrays of bytes (initial values), by name
 
 
 _COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
@@ -57,6 +58,9 @@ _ENTRY = re.compile(r"\.entry\s+([\w$]+)\s*\((.*?)\)", re.S)
 # a module-scope .const array of bytes with its initial values (what NVRTC makes of a __constant__ table)
 _CONST = re.compile(r"^[ \t]*\.const\s+(?:\.align\s+\d+\s+)?\.(\w+)\s+([\w$]+)\s*\[(\d+)\]\s*(?:=\s*\{([^}]*)\})?\s*;",
                     re.M)
+# the same in global memory (what NVRTC makes of a __device__ table)
+_GLOBAL = re.compile(r"^[ \t]*(?:\.visible\s+)?\.global\s+(?:\.align\s+\d+\s+)?\.(\w+)\s+([\w$]+)\s*\[(\d+)\]\s*"
+                     r"(?:=\s*\{([^}]*)\})?\s*;", re.M)
 
 
 def split_operands(text: str) -> tuple[str, ...]:
@@ -103,16 +107,23 @@ def _add_shared(entry_or_list: list[SharedVar], m: re.Match) -> None:
     entry_or_list.append(SharedVar(name, int(align or _TYPE_SIZES[typ]), size))
 
 
+def _module_arrays(pattern: re.Pattern, space: str, ptx: str) -> dict[str, bytes]:
+    """The module-scope arrays of bytes `pattern` finds, with their initial values (zeros past the last given)."""
+    arrays = {}
+    for cm in pattern.finditer(_COMMENT.sub("", ptx)):
+        typ, name, count, values = cm.groups()
+        if typ not in ("b8", "u8"):
+            raise InterpError(f"a .{space} array of .{typ} is not supported (bytes only)")
+        data = bytes(int(v, 0) & 0xFF for v in values.split(",")) if values else b""
+        arrays[name] = data.ljust(int(count), b"\0")
+    return arrays
+
+
 def parse(ptx: str) -> dict[str, Entry]:
     """Every .entry of the module, by name."""
     module_shared: list[SharedVar] = []
-    constants: dict[str, bytes] = {}
-    for cm in _CONST.finditer(_COMMENT.sub("", ptx)):
-        typ, name, count, values = cm.groups()
-        if typ not in ("b8", "u8"):
-            raise InterpError(f"a .const array of .{typ} is not supported (bytes only)")
-        data = bytes(int(v, 0) & 0xFF for v in values.split(",")) if values else b""
-        constants[name] = data.ljust(int(count), b"\0")
+    constants, globals_ = (_module_arrays(pattern, space, ptx) for pattern, space in ((_CONST, "const"),
+                                                                                      (_GLOBAL, "global")))
     entries: dict[str, Entry] = {}
     pos = 0
     for m in _ENTRY.finditer(ptx):
@@ -146,7 +157,7 @@ def parse(ptx: str) -> dict[str, Entry]:
             i += 1
         body_line = ptx.count("\n", 0, open_at) + 1
         entry.shared.extend(module_shared)
-        entry.constants = constants
+        entry.constants, entry.globals = constants, globals_
         for line, st in _statements(ptx[open_at + 1:i], body_line):
             if st.endswith(":"):
                 entry.labels[st[:-1].strip()] = len(entry.body)

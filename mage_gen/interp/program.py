@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from mage_gen.interp.errors import InterpError, UnknownInstruction
+from mage_gen.interp.memory import Global
 from mage_gen.interp.parse import Entry
 
 OP, BRA, BAR, EXIT, ARRIVE = 0, 1, 2, 3, 4  # instruction kinds the warp loop dispatches on
@@ -51,6 +52,9 @@ class Program:
     cross_block: bool = False  # has gpu-scope fences or global atomics: its launch keeps a memory.Visibility
     constants: bytes = b""  # the module's .const arrays, one after another (const_offsets)
     const_offsets: dict[str, int] = field(default_factory=dict)
+    # the module's .global arrays, at the first global addresses (memory.Global lays them out before the launch's
+    # buffers), by name
+    global_offsets: dict[str, int] = field(default_factory=dict)
 
 
 def view(x: np.ndarray, dt) -> np.ndarray:
@@ -117,6 +121,7 @@ class Decoder:
         for name, data in entry.constants.items():
             self.prog.const_offsets[name] = CONST_GENERIC_BASE + len(self.prog.constants)
             self.prog.constants += data.ljust(-(-len(data) // 16) * 16, b"\0")
+        self.prog.global_offsets = dict(zip(entry.globals, Global.layout(list(map(len, entry.globals.values())))))
         self.dynamic_names = [v.name for v in entry.shared if v.size == 0]
         self.params = {p.name: p for p in entry.params}
         for name in SPECIALS:
@@ -127,11 +132,13 @@ class Decoder:
         return -(-self.prog.static_shared // a) * a
 
     def symbol(self, name: str) -> int | None:
-        """Shared-window address of a shared variable, the address of a .const array, or None."""
+        """Shared-window address of a shared variable, the address of a .const or .global array, or None."""
         if name in self.prog.shared_offsets:
             return self.prog.shared_offsets[name]
         if name in self.prog.const_offsets:
             return self.prog.const_offsets[name]
+        if name in self.prog.global_offsets:
+            return self.prog.global_offsets[name]
         if name in self.dynamic_names:
             return self.dynamic_base()
         return None

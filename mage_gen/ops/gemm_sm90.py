@@ -96,7 +96,9 @@ ORDERS = ("row", "grouped", "hilbert")
 CLUSTERS = (1, 2)
 MULTICASTS = ("b", "a")  # which operand a cluster's CTAs share: B (tiles of one column) or A (of one row)
 SCHEDULES = ("cooperative", "pingpong")
-MAX_ORDER_TABLE = 16384  # tiles a Hilbert order's table may list (4 bytes each, in constant memory)
+# A Hilbert order's table of tiles, 4 bytes each: in constant memory up to its 64 KB, else in global memory (read
+# once a tile, through the read-only path), up to a size whose initializer still compiles in seconds
+CONSTANT_ORDER_TABLE, MAX_ORDER_TABLE = 16384, 1 << 18
 EPILOGUES = ("direct", "tma")
 CHAINS = (1, 2, 4)
 # test-only bugs the gate must catch: the descriptors' swizzle differs from the tensor maps', the stride byte
@@ -479,9 +481,10 @@ _RULES: tuple[Rule, ...] = (
     # a group other than the default changes nothing but the grouped order: two names for one kernel otherwise
     Rule("order", lambda s, p: p.order == "grouped" or p.group == Params.group,
          lambda s, p: f"group is the super-row of order grouped; with order {p.order} leave it at {Params.group}"),
-    Rule("order", lambda s, p: p.order != "hilbert" or np.prod(_units(s, p)) <= MAX_ORDER_TABLE,
-         lambda s, p: f"a Hilbert order lists its {int(np.prod(_units(s, p)))} tiles in constant memory, at most "
-                      f"{MAX_ORDER_TABLE}; use order grouped"),
+    Rule("order", lambda s, p: p.order != "hilbert" or (np.prod(_units(s, p)) <= MAX_ORDER_TABLE
+                                                         and max(_units(s, p)) < 1 << 16),
+         lambda s, p: f"a Hilbert order lists its {' × '.join(map(str, _units(s, p)))} tiles in a table, at most "
+                      f"{MAX_ORDER_TABLE} and fewer than 65536 a side; use order grouped"),
     Rule("cluster", lambda s, p: p.cluster in CLUSTERS, lambda s, p: f"cluster is one of {CLUSTERS} CTAs, got {p.cluster}"),
     Rule("cluster", lambda s, p: p.multicast in MULTICASTS,
          lambda s, p: f"multicast is one of {MULTICASTS} (the operand a cluster shares), got {p.multicast!r}"),
@@ -719,6 +722,7 @@ class GemmSm90(OpFamily):
             EMPTY_ARRIVALS=(1 if p.schedule == "pingpong" else p.consumers) * self.b_sharers(p) * share_a, UNITS_M=units_m, UNITS_N=units_n,
             UNITS=units_m * units_n, KBLOCKS=_kblocks(shape),
             HILBERT=[r << 16 | c for r, c in hilbert_order(units_m, units_n)] if p.order == "hilbert" else [],
+            ORDER_TABLE_IN_CONSTANT=units_m * units_n <= CONSTANT_ORDER_TABLE,
             KSTEPS=ROW_BYTES // KSTEP_BYTES, KSTEP_BYTES=KSTEP_BYTES, MI=consumer_rows(p) // 64, ACC=p.bn // 2,
             A_BYTES=p.bm * ROW_BYTES, B_BYTES=p.bn * ROW_BYTES, STAGE_BYTES=stage_bytes,
             CONSUMER_A_BYTES=consumer_rows(p) * ROW_BYTES, B_KN=shape.b_layout == "kn", B_BOXES=p.bn // 64,
