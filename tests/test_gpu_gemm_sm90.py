@@ -1,8 +1,9 @@
 """On the GPU: the Hopper GEMM. Every stored winner, and drawn configs, match the float64 reference at tails
 (M, N, K ≡ 1 mod 8, K not a multiple of 64), split K too, the same bits every launch, with its counters left zero;
-swapped operands and fp8 (per-tensor and block scales) match it at tails too; the gate rejects a wrong swizzle and a
-wrong stride byte offset; a wait on the wrong phase is reported as a hang and the next trial runs; a C++ program
-built from the emitted .h and .cubin alone computes C. Skipped without a CUDA driver."""
+swapped operands and fp8 (per-tensor and block scales) match it at tails too, and so does a Hilbert order whose table
+is in global memory; the gate rejects a wrong swizzle and a wrong stride byte offset; a wait on the wrong phase is
+reported as a hang and the next trial runs; a C++ program built from the emitted .h and .cubin alone computes C.
+Skipped without a CUDA driver."""
 
 import dataclasses
 import functools
@@ -113,6 +114,15 @@ SPLIT = [{"bm": 64, "bn": 64, "consumers": 1, "split_k": 2}, {"bm": 64, "bn": 64
 # the unit with a tile's last ticket sums it, waiting on the others' count of stored partials
 TICKET = [{"bm": 64, "bn": 64, "consumers": 1, "split_k": 3, "split_sum": "ticket"},
           {"bm": 128, "bn": 128, "split_k": 4, "split_sum": "ticket", "epilogue": "tma"}]
+
+
+def test_a_hilbert_order_past_constant_memory_passes_the_gate_from_its_table_in_global_memory(device, stream):
+    # 64×64 tiles over 8193 × 8200: 129 × 129 = 16641 tiles, past the 16384 that constant memory holds
+    shape = OP.shape(m=8193, n=8200, k=72)
+    params = OP.params_from_dict({"bm": 64, "bn": 64, "consumers": 1, "order": "hilbert"})
+    assert "__device__ const unsigned tile_order[16641]" in OP.source(shape, params).text
+    result = gate_on_gpu(OP, device, stream, shape, params)
+    assert result.passed, result.reason
 
 
 @pytest.mark.parametrize("values", SPLIT + TICKET, ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()))
