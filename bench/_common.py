@@ -42,7 +42,10 @@ def winner_params(op, shape, device, tune_missing: bool, tune_flags: list[str], 
     except StoreError:
         if not tune_missing:
             raise
-    subprocess.run([sys.executable, "-m", "mage_gen", "tune", op.name, *tune_flags, "--out", TUNE_OUT], check=True)
+    done = subprocess.run([sys.executable, "-m", "mage_gen", "tune", op.name, *tune_flags, "--out", TUNE_OUT])
+    if done.returncode:
+        raise StoreError(f"mage-gen tune {op.name} {' '.join(tune_flags)} failed (exit {done.returncode}), as it said "
+                         "above")
     return load_winner(op, shape, device.name, run, l2_bytes=device.l2_bytes).params
 
 

@@ -72,3 +72,27 @@ def test_the_decoder_layer_s_verdict_takes_the_patched_layer_in_its_faster_mode(
             {"tokens": 8192, "over_best_compile": {"hot": kept}},
             {"tokens": 128, "over_best_compile": {"hot": faster_autotuned}}]
     assert decoder_layer.verdict(rows) == {2048: True, 16384: False, 8192: True, 128: True}
+
+
+def test_a_tune_that_fails_under_tune_missing_stops_the_sweep_with_one_line(tmp_path, monkeypatch, capsys):
+    import subprocess
+
+    from bench import _common
+
+    monkeypatch.chdir(tmp_path)
+    device = StandInDevice()
+    monkeypatch.setattr(gemm_llm.gpu, "open_device", lambda: device)
+    monkeypatch.setattr(gemm_llm, "provenance", lambda d: {"gpu": d.to_dict(), "date": "now"})
+
+    def nothing_stored(*args, **kwargs):
+        raise StoreError("no entry")
+
+    monkeypatch.setattr(_common, "load_winner", nothing_stored)
+    monkeypatch.setattr(_common.subprocess, "run", lambda args, **kwargs: subprocess.CompletedProcess(args, 2))
+    monkeypatch.setattr("sys.argv", ["gemm_llm", "--model", "8b", "--m", "16", "--tune-missing"])
+    with pytest.raises(SystemExit) as stopped:
+        gemm_llm.main()
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: 8b qkv 16x6144x4096: mage-gen tune gemm_sm90 --m 16 --n 6144 "
+                                               "--k 4096 --precision bf16") and "failed (exit 2)" in err[0]
