@@ -74,9 +74,11 @@ def _start_worker(cache: str | None) -> None:
 
 @contextlib.contextmanager
 def _ctrl_c_held() -> Iterator[list[bool]]:
-    """Ctrl-C noted, not raised, while the pool starts (it waits on the fork server's imports): raised half-way,
-    it would leave processes the caller cannot stop, which then start after it exited and fail with
-    tracebacks. The list it yields is non-empty if one came."""
+    """Ctrl-C noted, not raised, while the pool lives: raised while the pool starts (it waits on the fork server's
+    imports), it would leave processes the caller cannot stop, which then start after it exited and fail with
+    tracebacks; raised at any moment after, it can leave a lock of the pool's or of the progress display held, whose
+    threads the cleanup then waits for forever. It is raised between results instead (_results). The list it
+    yields is non-empty once one came."""
     pressed: list[bool] = []
     if threading.current_thread() is not threading.main_thread():  # only the main thread sets handlers
         yield pressed
@@ -85,7 +87,10 @@ def _ctrl_c_held() -> Iterator[list[bool]]:
     try:
         yield pressed
     finally:
-        signal.signal(signal.SIGINT, previous)
+        # once one came, the caller is stopping: another must not cut its cleanup short
+        signal.signal(signal.SIGINT, signal.SIG_IGN if pressed else previous)
+    if pressed:  # one that came after the last results were taken
+        raise KeyboardInterrupt
 
 
 def _start_servers() -> None:
@@ -105,26 +110,49 @@ def _start_servers() -> None:
 
 
 @contextlib.contextmanager
-def _workers(count: int) -> Iterator[Any]:
+def _workers(count: int) -> Iterator[Callable[[Callable[[Any], Any], Sequence[Any]], Iterator[Any]]]:
     """Compile processes that an interrupt or an error stops at once: the workers ignore Ctrl-C (the parent
     alone decides), and on any exception the parent kills them rather than waiting for their queued work,
     so a second Ctrl-C finds nothing to hang on and no process is left behind. The cache stays whole: an
-    entry appears by one rename, and a killed compile leaves at most a scratch folder."""
+    entry appears by one rename, and a killed compile leaves at most a scratch folder. Yields a map of a function
+    over jobs, in order (_results)."""
     with _ctrl_c_held() as pressed:
         _start_servers()
         pool = _CONTEXT.Pool(count, initializer=_start_worker, initargs=(os.environ.get("MAGE_GEN_CACHE"),))
-    try:
+        try:
+            if pressed:
+                raise KeyboardInterrupt
+            yield lambda fn, jobs: _results(pool.imap(_map_chunk, [(fn, jobs[i:i + CHUNK])
+                                                                for i in range(0, len(jobs), CHUNK)]), pressed)
+            pool.close()
+        except BaseException:
+            pool.terminate()
+            raise
+        finally:
+            pool.join()
+
+
+CHUNK = 4  # jobs a worker takes at a time
+
+
+def _map_chunk(task: tuple[Callable[[Any], Any], Sequence[Any]]) -> list[Any]:
+    fn, jobs = task
+    return [fn(job) for job in jobs]
+
+
+def _results(chunks: Any, pressed: list[bool]) -> Iterator[Any]:
+    """The results of imap's chunks, in order, waited for in short steps: a Ctrl-C noted meanwhile is raised here,
+    between two chunks, where nothing of the pool's is held."""
+    while True:
         if pressed:
             raise KeyboardInterrupt
-        yield pool
-        pool.close()
-    except BaseException as exc:
-        if isinstance(exc, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # decided: a second Ctrl-C must not cut the cleanup short
-        pool.terminate()
-        raise
-    finally:
-        pool.join()
+        try:
+            chunk = chunks.next(timeout=0.1)
+        except StopIteration:
+            return
+        except multiprocessing.TimeoutError:
+            continue
+        yield from chunk
 
 
 def _build_one(job: tuple[str, Any, Any, str]) -> Variant:
@@ -153,8 +181,8 @@ def build_each(op: Op, shape: Any, params_list: Sequence[Any], arch: str,
             if progress:
                 progress()
         return
-    with _workers(workers) as pool:
-        for variant in pool.imap(_build_one, jobs, chunksize=4):
+    with _workers(workers) as results:
+        for variant in results(_build_one, jobs):
             yield variant
             if progress:
                 progress()
@@ -178,8 +206,8 @@ def prebuild(op: Op, shape: Any, params_list: Sequence[Any], arch: str,
     if not jobs:
         return 0
     compiled = 0
-    with _workers(min(len(jobs), os.cpu_count() or 1)) as pool:
-        for done, ok in enumerate(pool.imap(_compile_one, jobs, chunksize=4), 1):
+    with _workers(min(len(jobs), os.cpu_count() or 1)) as results:
+        for done, ok in enumerate(results(_compile_one, jobs), 1):
             compiled += ok
             if progress:
                 progress(done, len(jobs))

@@ -341,6 +341,27 @@ def test_a_ctrl_c_while_a_server_is_spawned_is_kept_not_lost(monkeypatch, server
     finally:
         signal.signal(signal.SIGINT, handler)
 
+def test_a_ctrl_c_while_the_workers_compile_is_raised_between_their_results_and_leaves_it_ignored():
+    import signal
+
+    # raised where it lands, it could leave a lock of the pool's or of the progress display held, and the cleanup
+    # waits on that lock's thread for ever
+    from mage_gen import variants
+
+    handler, taken = signal.getsignal(signal.SIGINT), []
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with variants._workers(2) as results:
+                for value in results(abs, list(range(-40, 0))):
+                    taken.append(value)
+                    if len(taken) == 1:
+                        os.kill(os.getpid(), signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # a second one must not cut the cleanup short
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    assert taken == [40, 39, 38, 37]  # the rest of the chunk it came in, and not one result more
+
+
 def test_a_whole_number_with_a_zero_fraction_is_taken_alike_in_sizes_and_config():
     sizes = mage_gen("inspect", "layernorm", "--d", "768.0", "--json")
     config = mage_gen("inspect", "layernorm", "--d", "768", "--config", "threads=128.0", "--json")

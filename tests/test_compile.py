@@ -196,6 +196,6 @@ def test_compile_workers_are_not_forks_of_the_caller():
     # on it for ever: the workers come from a fork server instead.
     from mage_gen.variants import _workers
 
-    with _workers(2) as pool:
-        parents = set(pool.map(_parent_pid, range(4)))
+    with _workers(2) as results:
+        parents = set(results(_parent_pid, list(range(4))))
     assert os.getpid() not in parents
