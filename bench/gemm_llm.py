@@ -1,14 +1,14 @@
-"""GEMM where models spend their time: mage-gen's Hopper GEMM (gemm_sm90) against cuBLAS and Triton at the linear
-layers of Llama-3-8B and 70B, M ∈ {16, 128, 512, 2048, 8192} tokens, bf16 in (or --precision e4m3: fp8 with
-per-tensor scales, against torch._scaled_mm), fp32 sums, C bf16, B given N×K (an nn.Linear weight). Hot and cold in interleaved rounds paired by round, TFLOP/s and the share of cuBLAS's
-throughput, every kernel and peer gated first (bench/gemm_sm90.py's bench_one). Each shape runs this GPU's tuned
-winner (--tune-missing tunes one first, with --preset; --classes takes the entry tuned at the nearest M, as the
-runtime and mage_gen.torch.linear do; --untuned takes the op's default config). The result file
-is rewritten after every shape, so a run cut short keeps what it measured (and the earlier rows of the shapes it did
-not reach); a shape that nothing tuned serves stops the run with one line naming the tune to run (exit 2). --resume
-measures only the shapes it lacks: a row is kept where it was measured on this GPU with the kernel that would run now (the same params and
-kernel text), each shape's figures being paired with its peers within its own process. Writes
-bench/results/<gpu>/gemm_llm.json.
+"""GEMM where models spend their time: mage-gen's Hopper GEMM (gemm_sm90) against cuBLAS and Triton at the linear layers
+of Llama-3-8B and 70B, M ∈ {16, 128, 512, 2048, 8192} tokens, bf16 in (or --precision e4m3: fp8 with per-tensor
+scales, against torch._scaled_mm), fp32 sums, C bf16, B given N×K (an nn.Linear weight). Hot and cold in interleaved
+rounds paired by round, TFLOP/s and the share of cuBLAS's throughput, every kernel and peer gated first
+(bench/gemm_sm90.py's bench_one). Each shape runs this GPU's tuned winner (--tune-missing tunes one first, with
+--preset; --classes takes the entry tuned at the nearest M, as the runtime and mage_gen.torch.linear do; --untuned
+takes the op's default config). The result file is rewritten after every shape, so a run cut short keeps what it
+measured (and the earlier rows of the shapes it did not reach); a shape that nothing tuned serves stops the run with
+one line naming the tune to run (exit 2). --resume measures only the shapes it lacks: a row is kept where it was
+measured on this GPU with the kernel that would run now (the same params and kernel text), each shape's figures being
+paired with its peers within its own process. Writes bench/results/<gpu>/gemm_llm.json.
 
     python -m bench.gemm_llm --model 8b --m 16 --m 128 --tune-missing
     python -m bench.gemm_llm --classes --resume      (the whole sweep, over as many calls as it takes)
@@ -155,9 +155,9 @@ def main() -> None:
     rows: list[dict] = []
     began, longest = time.monotonic(), 0.0
 
-    def save(reached: int) -> Path:
-        """The file as it stands: the rows measured or kept so far, then the earlier rows of the shapes not reached
-        (kept for the next --resume to check, so that a run cut short loses none of them)."""
+    def save(reached: int) -> tuple[Path, dict]:
+        """The file as it stands (its path, its summary): the rows measured or kept so far, then the earlier rows of
+        the shapes not reached (kept for the next --resume to check, so that a run cut short loses none of them)."""
         later = [earlier[(mo, la, mm)] for mo, la, mm, _, _ in cases[reached:] if (mo, la, mm) in earlier]
         doc = {"what": "mage-gen's Hopper GEMM against cuBLAS and Triton at Llama-3's linear layers, recorded by "
                        "bench/gemm_llm.py",
@@ -167,7 +167,7 @@ def main() -> None:
                           "cublas": PEERS[args.precision]},
                **provenance(device), "precision": args.precision, "shapes": rows + later,
                "summary": summarize(rows + later, reached == len(cases), whole, args.precision, device.l2_bytes)}
-        return write_result(device, name, json.dumps(doc, indent=1) + "\n")
+        return write_result(device, name, json.dumps(doc, indent=1) + "\n"), doc["summary"]
 
     for done, (model, layer, m, n, k) in enumerate(cases, 1):
         if args.budget_s is not None and time.monotonic() - began + longest > args.budget_s:
@@ -200,9 +200,9 @@ def main() -> None:
         print(f"[{done}/{len(cases)}] {model} {layer:7} {m}x{n}x{k}: "
               + (f"share of cuBLAS hot {hot:.4f} cold {cold:.4f} ({how})" if hot and cold
                  else f"FAILED GATE {row['gate']['reason']}"), flush=True)
-        out = save(done)
+        out, summary = save(done)
         longest = max(longest, time.monotonic() - started)
-    print(json.dumps(summarize(rows, True, whole, args.precision, device.l2_bytes), indent=1))
+    print(json.dumps(summary, indent=1))
     print(f"wrote {out}", file=sys.stderr)
 
 

@@ -37,8 +37,8 @@ class Global:
         return starts
 
     def __init__(self, arrays: list[np.ndarray]):
-        offsets = [start - GLOBAL_BASE for start in self.layout([a.nbytes for a in arrays])]
-        total = offsets[-1] + -(-arrays[-1].nbytes // 256) * 256 + GAP_BYTES if arrays else 0
+        # where each array starts, and (an empty one after them) where they end
+        *offsets, total = (start - GLOBAL_BASE for start in self.layout([a.nbytes for a in arrays] + [0]))
         self.words = np.zeros(max(total, 4) // 4, dtype=np.uint32)
         self.arrays = arrays
         self.starts = np.array([GLOBAL_BASE + o for o in offsets], dtype=np.uint64)
