@@ -566,7 +566,7 @@ def _print_result(op: Op, result: Any, objective: str, note: str = "") -> None:
         kept = ("" if objective == "both" else
                 f"the fastest {'cold' if objective == 'hot' else 'hot'} (or tied with it), then ")
         within = "hot and cold" if objective == "both" else objective
-        rule = kept + ("the stored winner" if result.kept_stored else
+        rule = kept + ("the winner the search started from" if result.kept_stored else
                        "the one with fewer registers, then fewer threads")
         out.print(f"tie: {result.winner.name} and {', '.join(result.tied_with)}: none told slower than the fastest "
                   f"by {result.tie_test}, {within}; kept {rule}")
@@ -820,12 +820,17 @@ def _gpu_facts() -> dict[str, Any]:
 
 def _starting_points(op: Op, shape: Any, run: dict[str, int], space: Any, gpu_name: str, tuned: Path | None,
                      store: bool) -> tuple[Any, list[str], list[tuple[Any, Any]], list[str]]:
-    """What a size class's search measures first: (its stored winner, the axes that winner predates, the nearest
-    tuned shapes and their winners (dispatch.SEED_RULE), and the lines that say so)."""
+    """What a size class's search measures first: (its stored winner, or with none the winner of the class that
+    serves its shape now; the axes a stored winner predates; the winner of the class that would serve the shape
+    without its own entry, where a stored winner is first, then the nearest tuned shapes and their winners
+    (dispatch.SEED_RULE); and the lines that say so)."""
     if not store:
         return None, [], [], []
     incumbent = stored_params(op, shape, run, gpu_name, tuned)
-    notes, unrecorded = [], []
+    others = tuned_shapes(op, gpu_name, tuned)
+    # what the runtime runs at this shape without this class's own entry (dispatch.CLASS_RULE)
+    served = dispatch.choose_class(op, shape, {other: p for other, p in others.items() if other != shape})
+    notes, unrecorded, seeds = [], [], []
     if incumbent is not None:
         notes.append(f"  the stored winner {op.kernel_name(shape, incumbent)} is measured first where the preset holds "
                      "it, and re-timed in the final round")
@@ -834,12 +839,22 @@ def _starting_points(op: Op, shape: Any, run: dict[str, int], space: Any, gpu_na
         if unrecorded:
             notes.append(f"  it was tuned before {', '.join(unrecorded)} existed: it is also measured first at each "
                          f"value of {'it' if len(unrecorded) == 1 else 'them'}")
-    seeds = [(other, params) for other, params in dispatch.neighbours(op, shape, tuned_shapes(op, gpu_name, tuned),
-                                                                      SEEDS + 1) if params != incumbent][:SEEDS]
-    if seeds:
+        if served is not None and served[1] != incumbent:
+            seeds.append(served)
+            notes.append("  then, where the preset holds it, the winner of the size class that would serve this "
+                         f"shape without its own entry, {shape_dict(served[0])}")
+    elif served is not None:
+        # A new class is stored only where it beats what the runtime runs at its shape without it: a short search
+        # must not leave the shape slower than before it was tuned.
+        incumbent = served[1]
+        notes.append(f"  the winner of the size class that serves this shape now, {shape_dict(served[0])}, is measured "
+                     "first where the preset holds it, and re-timed in the final round")
+    nearest = [(other, params) for other, params in dispatch.neighbours(op, shape, others, SEEDS + 2)
+               if params != incumbent and all(params != p for _, p in seeds)][:SEEDS]
+    if nearest:
         notes.append(f"  {'then' if incumbent is not None else 'first'}, where the preset holds them, the winners of "
-                     "the nearest tuned shapes: " + "; ".join(str(shape_dict(other)) for other, _ in seeds))
-    return incumbent, unrecorded, seeds, notes
+                     "the nearest tuned shapes: " + "; ".join(str(shape_dict(other)) for other, _ in nearest))
+    return incumbent, unrecorded, seeds + nearest, notes
 
 
 def _tune_size_class(op: Op, shape: Any, run: dict[str, int], space: Any, replayed: Any, seed: int,

@@ -30,7 +30,8 @@ PEER_RULE = ("mage_gen.torch.linear asked with cublas_where_faster=True (as a pa
              "F.linear (cuBLAS) instead of the kernel for a bf16 product whose serving entry was timed slower than "
              "cuBLAS in its tune's final round, by the tune's objective (hot, cold, or the geometric mean of both): "
              "by the median of the rounds' ratios where the entry keeps them, else by the pooled medians")
-SEED_RULE = ("a size class's search measures first its stored winner, then the winners of the tuned shapes nearest to "
+SEED_RULE = ("a size class's search measures first its stored winner (with none, the winner of the class that "
+             "serves its shape by CLASS_RULE), then the winners of the tuned shapes nearest to "
              "it on a log scale over every size, whatever their types and epilogue (at one distance, those that "
              "differ from it in the fewest of those fields first), each whose params are valid for it and lie in "
              "the preset")

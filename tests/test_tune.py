@@ -1083,7 +1083,7 @@ def test_cli_tunes_a_gemm_at_several_m_in_turn_each_from_the_winners_stored_befo
     assert done.returncode == 0, done.stderr
     said = " ".join(done.stderr.split())
     assert said.index("tuning gemm_sm90 {'m': 16") < said.index("tuning gemm_sm90 {'m': 32")
-    assert "winners of the nearest tuned shapes: {'m': 16, 'n': 64, 'k': 64}" in said
+    assert "the winner of the size class that serves this shape now, {'m': 16, 'n': 64, 'k': 64}" in said
     entries = json.loads((tmp_path / "tuned" / "h200" / "gemm_sm90.json").read_text())["entries"]
     assert sorted(entries) == ["m=16,n=64,k=64/bf16/nk/bf16", "m=32,n=64,k=64/bf16/nk/bf16"]
     studies = optuna.get_all_study_summaries(storage=sqlite(tmp_path))
@@ -1095,3 +1095,58 @@ def test_cli_tunes_a_gemm_at_several_m_in_turn_each_from_the_winners_stored_befo
                                                                 gemm.params_from_dict(m16["params"]))
     assert sorted(p.name for p in (tmp_path / "k").iterdir() if p.suffix == ".cu") == [
         "gemm_sm90_bf16_nk_bf16_m16_n64_k64.cu", "gemm_sm90_bf16_nk_bf16_m32_n64_k64.cu"]
+
+
+def test_a_new_gemm_size_class_keeps_the_winner_that_served_its_shape_unless_beaten(tmp_path):
+    """A class tuned where another class serves its shape (dispatch.CLASS_RULE) starts from that class's winner and
+    re-times it in the final round: tied with the finalists, the serving winner is kept, not the fastest of the
+    frugal ones, so that a short search never stores a class slower than what ran at its shape before."""
+    gemm = get_op("gemm_sm90")
+    device = {"name": "NVIDIA H200", "cc": "9.0", "sms": 132, "l2_bytes": 60 << 20, "driver": "13.0"}
+    recording = tmp_path / "gemm_recording.json"
+    threads = {}
+
+    def record(m: int, microseconds) -> None:
+        shape = gemm.shape(m=m, n=64, k=64)
+        variants = []
+        for params in expand(gemm, shape, load_space(gemm, None, shape, sms=132))[0]:
+            name, us = gemm.kernel_name(shape, params), microseconds(params)
+            threads[name] = gemm.geometry(shape, params, {"m": m}).threads
+            timing = {method: {"method": method, "samples": 8, "median_us": us, "spread_us": 0.1, "min_us": us}
+                      for method in ("hot", "cold")}
+            variants.append({"kernel": name, "gate": {"passed": True, "reason": "", "worst_error": 0.0}, **timing})
+        recording.write_text(json.dumps({"gpu": device, "variants": variants}))
+
+    env = {**os.environ, "MAGE_GEN_TUNED": str(tmp_path / "tuned")}
+    common = ("--n", "64", "--k", "64", "--replay", str(recording), "--trials", "6", "--storage", sqlite(tmp_path),
+              "--tuned", str(tmp_path / "tuned"), "-o", str(tmp_path / "k"))
+    record(16, lambda params: 20.0)
+    assert mage_gen("tune", "gemm_sm90", "--m", "16", *common, env=env, cwd=tmp_path).returncode == 0
+    stored = tmp_path / "tuned" / "h200" / "gemm_sm90.json"
+    served = gemm.params_from_dict(json.loads(stored.read_text())["entries"]["m=16,n=64,k=64/bf16/nk/bf16"]["params"])
+    # at M = 32 the serving winner ties with every other config, a tenth of their spread slower
+    record(32, lambda params: 10.01 if params == served else 10.0)
+    done = mage_gen("tune", "gemm_sm90", "--m", "32", *common, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert ("the winner of the size class that serves this shape now, {'m': 16, 'n': 64, 'k': 64}, is measured "
+            "first") in " ".join(done.stderr.split())
+    new = json.loads(stored.read_text())["entries"]["m=32,n=64,k=64/bf16/nk/bf16"]
+    assert gemm.params_from_dict(new["params"]) == served and new["tie"] is True
+    # the frugal rule alone would have kept another: a tied finalist with fewer registers, threads, or microseconds
+    frugal = min((f["registers"], threads[f["kernel"]], f["hot"]["median_us"]) for f in new["runner_ups"])
+    assert frugal < (new["census"]["registers"], threads[new["kernel"]], new["timings"]["hot"]["median_us"])
+    # a retune measures its stored winner first, then what would serve its shape without it: M = 16's winner, made
+    # another config here
+    doc = json.loads(stored.read_text())
+    other = next(p for p in expand(gemm, gemm.shape(m=32, n=64, k=64),
+                                   load_space(gemm, None, gemm.shape(m=32, n=64, k=64), sms=132))[0] if p != served)
+    doc["entries"]["m=16,n=64,k=64/bf16/nk/bf16"]["params"] = gemm.params_to_dict(other)
+    stored.write_text(json.dumps(doc))
+    again = mage_gen("tune", "gemm_sm90", "--m", "32", *common, "--study", "again", env=env, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    said = " ".join(again.stderr.split())
+    assert said.index("the stored winner") < said.index(
+        "the winner of the size class that would serve this shape without its own entry, {'m': 16, 'n': 64, 'k': 64}")
+    trials = optuna.load_study(study_name="again", storage=sqlite(tmp_path)).trials
+    assert [t.user_attrs["kernel"] for t in trials[:2]] == [gemm.kernel_name(gemm.shape(m=32, n=64, k=64), p)
+                                                           for p in (served, other)]
