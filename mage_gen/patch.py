@@ -25,7 +25,10 @@ Under torch.compile, an Inductor post-grad pass (Fusions) fuses what a custom op
 The gate and the add are fused only where the fused form runs mage-gen's kernel at the graph's M: where its serving
 entry's tune timed cuBLAS faster (dispatch.PEER_RULE), the custom op would run torch's gate or add after cuBLAS's
 product, unfused and out of Inductor's reach, so the product is left apart and Inductor fuses the gate or the add its
-own way, as for torch's layer.
+own way, as for torch's layer. And a routed linear that its serving entry hands to cuBLAS at the graph's M is handed
+back to Inductor (hand_back_cublas_linears, last): the aten product torch's own layer traces to, which Inductor
+compiles as it would unpatched (an add folded into cuBLAS's epilogue, a pointwise fused after it), where the custom
+op would call cuBLAS with nothing around it fused.
 """
 
 from __future__ import annotations
@@ -247,8 +250,8 @@ def _swap(module: nn.Module, gemm: set[tuple[int, int]], norm_ds: dict[str, set[
 
 
 class Fusions(CustomGraphPass):
-    """Inductor's post-grad pass: fuse_gated_linears, fuse_residual_norms, fuse_residual_linears, then the pass it
-    was installed over, if any."""
+    """Inductor's post-grad pass: fuse_gated_linears, fuse_residual_norms, fuse_residual_linears,
+    hand_back_cublas_linears, then the pass it was installed over, if any."""
 
     def __init__(self, then: Any = None):
         self.then = then
@@ -257,6 +260,7 @@ class Fusions(CustomGraphPass):
         fuse_gated_linears(graph)
         fuse_residual_norms(graph)
         fuse_residual_linears(graph)
+        hand_back_cublas_linears(graph)
         if self.then is not None:
             self.then(graph)
 
@@ -323,6 +327,35 @@ def fuse_residual_linears(graph: torch.fx.Graph) -> None:
             graph.erase_node(total)
             graph.erase_node(product)
             break
+
+
+def hand_back_cublas_linears(graph: torch.fx.Graph) -> None:
+    """mage_gen::linear with no gate or residual whose serving entry hands the product to cuBLAS at the graph's M
+    (_kernel_runs) -> the aten ops nn.Linear traces to: x's rows as a matrix (the op takes x contiguous only), mm
+    (addmm with a bias) by weight transposed, viewed back to the product's shape."""
+    aten = torch.ops.aten
+    for node in list(graph.nodes):
+        if not (node.op == "call_function" and node.target is torch.ops.mage_gen.linear.default):
+            continue
+        values = _linear_values(node)
+        if values["gate"] != "none" or values["residual"] is not None or _kernel_runs(values):
+            continue
+        x, weight, bias, product = values["x"], values["weight"], values["bias"], node.meta.get("val")
+        x_value = x.meta.get("val")
+        if not (isinstance(product, torch.Tensor) and isinstance(x_value, torch.Tensor)):
+            continue
+        rows = math.prod(x_value.shape[:-1])
+        steps = [(aten.view.default, [x, [rows, x_value.shape[-1]]]), (aten.permute.default, [weight, [1, 0]]),
+                 (aten.mm.default, [0, 1]) if bias is None else (aten.addmm.default, [bias, 0, 1]),
+                 (aten.view.default, [2, list(product.shape)])]
+        made: list[torch.fx.Node] = []
+        with graph.inserting_before(node):
+            for op, args in steps:  # an int argument in a tensor's place names the step that made it
+                args = [made[a] if isinstance(a, int) else a for a in args]
+                made.append(graph.call_function(op, tuple(args)))
+                made[-1].meta["val"] = op(*(a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args))
+        node.replace_all_uses_with(made[-1])
+        graph.erase_node(node)
 
 
 def fuse_gated_linears(graph: torch.fx.Graph) -> None:

@@ -272,14 +272,50 @@ def test_a_fusion_is_left_where_cublas_serves_the_fused_form_and_asked_only_wher
         before = targets(gm)
         routing.Fusions()(gm.graph)
         assert targets(gm) == before, fn.__name__
-    assert asked == [(8, 2048, 4096, "silu", False, False), (8, 4096, 4096, "none", False, True)]
+    # each fused form, then (for the hand-back to Inductor) the plain product, which the kernel serves here
+    assert asked == [(8, 2048, 4096, "silu", False, False), (8, 2048, 4096, "none", False, False),
+                     (8, 4096, 4096, "none", False, True), (8, 4096, 4096, "none", False, False)]
 
     def unasked(x, w, r):
         return torch.ops.mage_gen.linear(x, w, None) + r
 
     gm = decomposed(unasked, (8, 4096), (4096, 4096), (8, 4096))
     routing.Fusions()(gm.graph)
-    assert torch.ops.aten.add.Tensor not in targets(gm) and len(asked) == 2
+    assert torch.ops.aten.add.Tensor not in targets(gm) and len(asked) == 4
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_product_cublas_serves_is_handed_back_to_inductor_as_the_aten_product_of_torch_s_layer(monkeypatch, bias):
+    """Where the plain product's serving entry timed cuBLAS faster, the custom op would call cuBLAS with nothing
+    around it fused: the pass gives Inductor nn.Linear's own aten product instead (mm, or addmm with the bias), which
+    computes what the op computes, and its add stays an aten add for Inductor to fold in."""
+    monkeypatch.setattr(mt, "serves_cublas", lambda index, m, n, k, gate="none", bias=False, residual=False: True)
+
+    def layer(x, w, b, r):
+        return torch.ops.mage_gen.linear(x, w, b if bias else None, None, None, True) + r
+
+    gm = decomposed(layer, (2, 8, 256), (128, 256), (128,), (2, 8, 128))
+    routing.Fusions()(gm.graph)
+    gm.graph.lint()
+    gm.recompile()
+    aten = torch.ops.aten
+    assert torch.ops.mage_gen.linear.default not in targets(gm)
+    assert (aten.addmm.default if bias else aten.mm.default) in targets(gm) and aten.add.Tensor in targets(gm)
+    x, w, b, r = (torch.randn(*s, dtype=BF16) for s in ((2, 8, 256), (128, 256), (128,), (2, 8, 128)))
+    assert torch.equal(gm(x, w, b, r), torch.nn.functional.linear(x, w, b if bias else None) + r)
+
+
+@pytest.mark.parametrize("why, fn, x, w", [
+    ("not asked to defer to cuBLAS", lambda x, w: torch.ops.mage_gen.linear(x, w, None), (8, 256), (128, 256)),
+    ("the kernel serves it", lambda x, w: torch.ops.mage_gen.linear(x, w, None, None, None, True), (8, 256),
+     (64, 256)),
+])
+def test_a_product_is_left_to_the_kernel_unless_asked_to_defer_and_cublas_serves_it(
+        monkeypatch, why, fn, x, w):
+    monkeypatch.setattr(mt, "serves_cublas", lambda index, m, n, k, **form: n != 64)
+    gm = decomposed(fn, x, w)
+    routing.Fusions()(gm.graph)
+    assert torch.ops.mage_gen.linear.default in targets(gm), why
 
 
 def test_the_fusions_key_inductors_cache_on_the_tuned_gemm_entries_they_read(monkeypatch, tmp_path):
