@@ -33,10 +33,8 @@ OP = get_op("gemm_sm90")
 
 def _stored_winners():
     for path in sorted(data_dir("tuned").glob("*/gemm_sm90.json")):  # every GPU's
-        for key, entry in json.loads(path.read_text())["entries"].items():
-            sizes, precision, b_layout, c_dtype = key.split("/")
-            dims = {name: int(value) for name, value in (part.split("=") for part in sizes.split(","))}
-            yield OP.shape(**dims, precision=precision, b_layout=b_layout, c_dtype=c_dtype), entry
+        for entry in json.loads(path.read_text())["entries"].values():
+            yield OP.shape(**entry["shape"]), entry
 
 
 def test_every_stored_winner_renders_as_it_was_tuned_and_an_unsplit_one_needs_no_working_buffers():
