@@ -29,7 +29,12 @@ CLASS_RULE = ("of the entries equal to the launch's shape in every field but the
 PEER_RULE = ("mage_gen.torch.linear asked with cublas_where_faster=True (as a patched model's nn.Linear asks) calls "
              "F.linear (cuBLAS) instead of the kernel for a bf16 product whose serving entry was timed slower than "
              "cuBLAS in its tune's final round, by the tune's objective (hot, cold, or the geometric mean of both): "
-             "by the median of the rounds' ratios where the entry keeps them, else by the pooled medians")
+             "by the median of the rounds' ratios where the entry keeps them, else by the pooled medians; and for one "
+             "whose serving entry was tuned at class sizes more than PEER_REACH times the launch's, or less than its "
+             "share, where its tune's verdict says nothing of the launch")
+# How far (a factor of each class size) a size class's timing against cuBLAS speaks for a launch it serves: the
+# H200's classes at 16, 128, 512, 2048 and 8192 tokens each speak for every M between them.
+PEER_REACH = 4
 SEED_RULE = ("a size class's search measures first its stored winner (with none, the winner of the class that "
              "serves its shape by CLASS_RULE), then the winners of the tuned shapes nearest to "
              "it on a log scale over every size, whatever their types and epilogue (at one distance, those that "
@@ -97,6 +102,18 @@ def auto_runs(op: Op, shape: Any, l2_bytes: int) -> list[dict[str, int]]:
     for run in runs:
         op.check_run(run)
     return runs
+
+
+def cublas_serves(op: Op, shape: Any, entry: dict[str, Any] | None) -> bool:
+    """Whether a bf16 launch of `shape` that `entry` serves calls cuBLAS when asked to where it is faster
+    (PEER_RULE); no entry: no."""
+    if entry is None:
+        return False
+    for name in op.class_dims:
+        launch, tuned = vars(shape)[name], entry.get("shape", {}).get(name)
+        if not tuned or max(launch, tuned) > PEER_REACH * min(launch, tuned):
+            return True
+    return peer_faster(entry)
 
 
 def peer_faster(entry: dict[str, Any], peer: str = "cublas") -> bool:

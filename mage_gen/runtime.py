@@ -54,7 +54,7 @@ class Prepared:
                  cublas_faster: bool = False):
         geometry = op.geometry(shape, params, run)
         self.op_name = op.name
-        self.cublas_faster = cublas_faster  # the serving entry's tune timed cuBLAS faster (dispatch.PEER_RULE)
+        self.cublas_faster = cublas_faster  # cuBLAS serves this launch where asked to (dispatch.PEER_RULE)
         self.arg_names = tuple(a.name for a in op.args(shape))
         pointers = [a.name for a in op.args(shape) if a.kind in ("in", "out")]
         if list(self.arg_names[:len(pointers)]) != pointers:
@@ -288,7 +288,7 @@ def _prepare(op: Op, dims: dict[str, Any], run: dict[str, int], context: int, tu
         kernel = _modules[(context, compiled.key)] = gpu.Kernel(
             compiled.cubin, compiled.kernel_name, op.geometry(shape, params, run).dynamic_shared_bytes)
     return Prepared(op, shape, params, run, kernel, variant.census,
-                    cublas_faster=entry is not None and dispatch.peer_faster(entry))
+                    cublas_faster=dispatch.cublas_serves(op, shape, entry))
 
 
 def peer_serves(op_name: str, dims: dict[str, Any], device: int) -> bool:
@@ -299,7 +299,7 @@ def peer_serves(op_name: str, dims: dict[str, Any], device: int) -> bool:
         _, entry = choose(op, op.shape(**dims), {}, gpu.device_info(device), tuned_only=True)
     except (ConfigError, LaunchError, NoGpuError):
         return False
-    return entry is not None and dispatch.peer_faster(entry)
+    return dispatch.cublas_serves(op, op.shape(**dims), entry)
 
 
 def choose(op: Op, shape: Any, run: dict[str, int], device: gpu.DeviceInfo,

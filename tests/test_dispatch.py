@@ -233,3 +233,18 @@ def test_an_entry_without_a_cublas_timing_never_says_cublas_is_faster():
     entry = _tuned("hot", (10.0, 20.0), (9.0, 30.0))
     assert not dispatch.peer_faster({**entry, "peers": {"triton": entry["peers"]["cublas"]}})
     assert not dispatch.peer_faster({k: v for k, v in entry.items() if k != "timings"})
+
+
+@pytest.mark.parametrize("m, tuned_m, cublas_faster, serves", [
+    (2048, 2048, False, False), (2048, 2048, True, True),  # its own class: the tune's verdict
+    (512, 2048, False, False), (8192, 2048, False, False),  # within PEER_REACH of the class: the verdict still
+    (511, 2048, False, True), (8193, 2048, False, True),  # beyond it: cuBLAS, whatever the tune saw
+])
+def test_cublas_serves_where_the_entry_timed_it_faster_or_was_tuned_too_far_from_the_launch(m, tuned_m, cublas_faster,
+                                                                                            serves):
+    op = get_op("gemm_sm90")
+    entry = {**_tuned("hot", (10.0, 10.0), (9.0, 9.0) if cublas_faster else (11.0, 11.0)),
+             "shape": {"m": tuned_m, "n": 4096, "k": 4096}}
+    assert dispatch.PEER_REACH == 4
+    assert dispatch.cublas_serves(op, op.shape(m=m, n=4096, k=4096), entry) is serves
+    assert dispatch.cublas_serves(op, op.shape(m=m, n=4096, k=4096), None) is False

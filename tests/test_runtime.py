@@ -783,7 +783,8 @@ def test_whether_cublas_serves_a_product_is_read_from_its_serving_entry_without_
     for m in (16, 40, 2048, 6000):
         dims = {"m": m, "n": 6144, "k": 4096, "gate": "silu" if m == 40 else "none"}
         served[m] = runtime.peer_serves("gemm_sm90", dims, 0)
-        assert served[m] == dispatch.peer_faster(runtime.choose(op, op.shape(**dims), {}, h200, True)[1])
+        assert served[m] == dispatch.cublas_serves(op, op.shape(**dims),
+                                                   runtime.choose(op, op.shape(**dims), {}, h200, True)[1])
     assert set(served.values()) == {True, False}  # the stored tunes saw cuBLAS win at some M and lose at others
     assert not runtime.peer_serves("gemm_sm90", {"m": 16, "n": 1000, "k": 4096}, 0)  # nothing tuned: the launch raises
 
