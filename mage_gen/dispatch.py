@@ -30,8 +30,8 @@ PEER_RULE = ("mage_gen.torch.linear asked with cublas_where_faster=True (as a pa
              "F.linear (cuBLAS) instead of the kernel for a bf16 product whose serving entry was timed slower than "
              "cuBLAS in its tune's final round, by the tune's objective (hot, cold, or the geometric mean of both): "
              "by the median of the rounds' ratios where the entry keeps them, else by the pooled medians; and for one "
-             "whose serving entry was tuned at class sizes more than PEER_REACH times the launch's, or less than its "
-             "share, where its tune's verdict says nothing of the launch")
+             "whose serving entry was tuned at a class size more than PEER_REACH times the launch's or less than "
+             "1/PEER_REACH of it, where its tune's verdict says nothing of the launch")
 # How far (a factor of each class size) a size class's timing against cuBLAS speaks for a launch it serves: the
 # H200's classes at 16, 128, 512, 2048 and 8192 tokens each speak for every M between them.
 PEER_REACH = 4
