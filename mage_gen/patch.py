@@ -331,30 +331,31 @@ def fuse_residual_linears(graph: torch.fx.Graph) -> None:
 
 def hand_back_cublas_linears(graph: torch.fx.Graph) -> None:
     """mage_gen::linear with no gate or residual whose serving entry hands the product to cuBLAS at the graph's M
-    (_kernel_runs) -> the aten ops nn.Linear traces to: x's rows as a matrix (the op takes x contiguous only), mm
-    (addmm with a bias) by weight transposed, viewed back to the product's shape."""
+    (_kernel_runs, which finds x's and weight's shapes static) -> the aten ops nn.Linear traces to: x's rows as a
+    matrix (the op takes x contiguous only), mm (addmm with a bias) by weight transposed, viewed back to x's leading
+    dimensions."""
     aten = torch.ops.aten
+
+    def call(op: Any, *args: Any) -> torch.fx.Node:
+        made = graph.call_function(op, args)
+        made.meta["val"] = op(*(a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args))
+        return made
+
     for node in list(graph.nodes):
         if not (node.op == "call_function" and node.target is torch.ops.mage_gen.linear.default):
             continue
         values = _linear_values(node)
         if values["gate"] != "none" or values["residual"] is not None or _kernel_runs(values):
             continue
-        x, weight, bias, product = values["x"], values["weight"], values["bias"], node.meta.get("val")
-        x_value = x.meta.get("val")
-        if not (isinstance(product, torch.Tensor) and isinstance(x_value, torch.Tensor)):
-            continue
-        rows = math.prod(x_value.shape[:-1])
-        steps = [(aten.view.default, [x, [rows, x_value.shape[-1]]]), (aten.permute.default, [weight, [1, 0]]),
-                 (aten.mm.default, [0, 1]) if bias is None else (aten.addmm.default, [bias, 0, 1]),
-                 (aten.view.default, [2, list(product.shape)])]
-        made: list[torch.fx.Node] = []
+        x, weight, bias = values["x"], values["weight"], values["bias"]
+        *lead, k = x.meta["val"].shape
         with graph.inserting_before(node):
-            for op, args in steps:  # an int argument in a tensor's place names the step that made it
-                args = [made[a] if isinstance(a, int) else a for a in args]
-                made.append(graph.call_function(op, tuple(args)))
-                made[-1].meta["val"] = op(*(a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args))
-        node.replace_all_uses_with(made[-1])
+            rows = call(aten.view.default, x, [math.prod(lead), k])
+            transposed = call(aten.permute.default, weight, [1, 0])
+            product = (call(aten.mm.default, rows, transposed) if bias is None
+                       else call(aten.addmm.default, bias, rows, transposed))
+            out = call(aten.view.default, product, [*lead, weight.meta["val"].shape[0]])
+        node.replace_all_uses_with(out)
         graph.erase_node(node)
 
 

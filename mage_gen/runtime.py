@@ -296,10 +296,11 @@ def peer_serves(op_name: str, dims: dict[str, Any], device: int) -> bool:
     without compiling a kernel; False where no entry serves it (a launch would raise) or no GPU answers."""
     op = get_op(op_name)
     try:
-        _, entry = choose(op, op.shape(**dims), {}, gpu.device_info(device), tuned_only=True)
+        shape = op.shape(**dims)
+        _, entry = choose(op, shape, {}, gpu.device_info(device), tuned_only=True)
     except (ConfigError, LaunchError, NoGpuError):
         return False
-    return dispatch.cublas_serves(op, op.shape(**dims), entry)
+    return dispatch.cublas_serves(op, shape, entry)
 
 
 def choose(op: Op, shape: Any, run: dict[str, int], device: gpu.DeviceInfo,

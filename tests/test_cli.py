@@ -341,6 +341,7 @@ def test_a_ctrl_c_while_a_server_is_spawned_is_kept_not_lost(monkeypatch, server
     finally:
         signal.signal(signal.SIGINT, handler)
 
+
 def test_a_ctrl_c_while_the_workers_compile_is_raised_between_their_results_and_leaves_it_ignored():
     import signal
 
