@@ -586,18 +586,27 @@ def interleave_placed(placed: Sequence[Sequence[Subject]], method: str, rounds: 
     return pool_rounds(interleave_rounds(placed, method, rounds, per_round, launches), method, len(placed))
 
 
+def round_order(placed: Sequence[Sequence[Subject]], r: int, alternate: bool = True) -> Sequence[Subject]:
+    """The subjects of round r in the order they are timed: placement r % len(placed)'s, reversed on every other
+    pass over the placements where `alternate`. A GPU at its power limit lowers its clocks as a run goes on, so a
+    subject timed after another heavy one is slower than timed first; reversing gives each placement both orders."""
+    group = placed[r % len(placed)]
+    return group[::-1] if alternate and (r // len(placed)) % 2 else group
+
+
 def interleave_rounds(placed: Sequence[Sequence[Subject]], method: str, rounds: int, per_round: int,
-                      launches: int | None = None) -> list[dict[str, list[float]]]:
-    """The samples of interleave_placed round by round (round r at placement r % len(placed)), each subject's by
-    name: what a paired comparison of two subjects reads (timing.round_ratio). launches: per hot graph, the same for
-    every subject; launches_for the first placement's subjects where not given."""
+                      launches: int | None = None, alternate: bool = True) -> list[dict[str, list[float]]]:
+    """The samples of interleave_placed round by round (round r at placement r % len(placed), in round_order), each
+    subject's by name: what a paired comparison of two subjects reads (timing.round_ratio). launches: per hot graph,
+    the same for every subject; launches_for the first placement's subjects where not given."""
     names = sorted(s.name for s in placed[0])
     if any(sorted(s.name for s in group) != names for group in placed):
         raise ValueError("interleave: every placement must hold the same subjects")
     if method != "hot":
-        return [{subject.name: subject.cold(per_round) for subject in placed[r % len(placed)]} for r in range(rounds)]
+        return [{subject.name: subject.cold(per_round) for subject in round_order(placed, r, alternate)}
+                for r in range(rounds)]
     launches = launches or launches_for(placed[0])
-    return [{subject.name: subject.hot(per_round, launches) for subject in placed[r % len(placed)]}
+    return [{subject.name: subject.hot(per_round, launches) for subject in round_order(placed, r, alternate)}
             for r in range(rounds)]
 
 

@@ -45,6 +45,22 @@ def test_round_r_is_taken_at_placement_r_mod_their_count_every_subject_at_each()
     assert pooled["kernel"].spread_us == 20.0 and pooled["kernel"].ties_with(pooled["peer"])
 
 
+def test_each_placement_times_its_subjects_in_both_orders():
+    calls = []
+    interleave_rounds(placed({"kernel": [10.0, 20.0], "peer": [12.0, 12.0], "other": [1.0, 1.0]}, calls), "cold",
+                      rounds=4, per_round=1)
+    orders = [tuple(name for name, p, _ in calls[3 * r:3 * r + 3]) for r in range(4)]
+    assert orders == [("kernel", "peer", "other")] * 2 + [("other", "peer", "kernel")] * 2
+    assert [p for _, p, _ in calls] == [0] * 3 + [1] * 3 + [0] * 3 + [1] * 3
+
+
+def test_a_fixed_order_is_kept_where_asked():
+    calls = []
+    interleave_rounds(placed({"kernel": [10.0], "peer": [12.0]}, calls), "cold", rounds=3, per_round=1,
+                      alternate=False)
+    assert [name for name, _, _ in calls] == ["kernel", "peer"] * 3
+
+
 def test_fewer_rounds_than_placements_time_only_the_first_and_report_only_those():
     calls = []
     pooled, by_placement = interleave_placed(placed({"kernel": [10.0, 20.0, 30.0]}, calls), "cold", 2, 3)

@@ -58,6 +58,9 @@ def main() -> None:
     parser.add_argument("--gate-only", action="store_true")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--per-round", type=int, default=5)
+    parser.add_argument("--order", choices=("alternate", "ours-first", "peers-first"), default="alternate",
+                        help="each round's order: the configs then the peers, reversed every other round "
+                             "(alternate, as the tuner and the benches time), or one fixed order")
     parser.add_argument("--out", help="write the rows as JSON here")
     parser.add_argument("--clustered-only", action="store_true", help="clusters without multicast: each CTA copies "
                                                                        "its own B tile")
@@ -118,10 +121,11 @@ def main() -> None:
             continue
         peers, missing = make_peers(op, shape, {}, bench.timing_inputs(), None, check=bench.check_tensor,
                                     device_inputs={k: b.ptr for k, b in bench.timing_buffers().items()})
-        everyone = [*subjects, *peers]
+        everyone = [*peers, *subjects] if args.order == "peers-first" else [*subjects, *peers]
         flops = op.flops(shape)
         for method in ("hot", "cold"):
-            taken = interleave_rounds([everyone], method, args.rounds, args.per_round)
+            taken = interleave_rounds([everyone], method, args.rounds, args.per_round,
+                                      alternate=args.order == "alternate")
             pooled, _ = pool_rounds(taken, method, 1)
             for name, timing in sorted(pooled.items(), key=lambda item: item[1].median_us):
                 ratio = None
@@ -144,7 +148,7 @@ def main() -> None:
             print(f"peers missing: {missing}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": device.to_dict(), "rows": rows}, f, indent=1)
+            json.dump({"device": device.to_dict(), "order": args.order, "rows": rows}, f, indent=1)
     print(f"{len(rows)} rows", file=sys.stderr)
 
 
