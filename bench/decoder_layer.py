@@ -46,7 +46,13 @@ PATCHED = tuple(f"mage-gen patched, {way}" for way in MODES)
 WAYS = ("eager", *MODES, *PATCHED)
 
 
+# The fused forms of a linear the patched graph may run (mage_gen.patch's Fusions), as mage_gen.torch.linear takes them
+FORM_ARGS = {"gate=silu": {"gate": "silu"}, "residual": {"residual": True}}
+
+
 class LlamaLayer(nn.Module):
+    FUSED_FORMS = {"o": ("residual",), "gate_up": ("gate=silu",), "down": ("residual",)}
+
     def __init__(self, d: int = 4096, heads: int = 32, kv_heads: int = 8, hidden: int = 14336, eps: float = 1e-5):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, d // heads
@@ -86,6 +92,8 @@ def rotate(u: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class Gpt2Block(nn.Module):
+    FUSED_FORMS = {"attn_out": ("residual",), "proj": ("residual",)}
+
     def __init__(self, d: int = 768, heads: int = 12):
         super().__init__()
         self.heads = heads
@@ -110,6 +118,19 @@ def inputs(d: int, head_dim: int, tokens: int, dtype: torch.dtype) -> tuple[torc
     angles = torch.arange(tokens, device="cuda")[:, None] / 500000 ** (torch.arange(0, head_dim, 2, device="cuda") / head_dim)
     angles = torch.cat((angles, angles), -1)
     return x.to(dtype), angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def products(layer: nn.Module, tokens: int, device: int = 0) -> dict[str, dict[str, str]]:
+    """Who computes each linear's product at `tokens` in the patched layer, in each form the Fusions pass may give it:
+    "cublas" or "mage-gen", by the rule that pass and the runtime read (dispatch.PEER_RULE on the serving entry)."""
+    out = {}
+    for name, module in layer.named_modules():
+        if isinstance(module, nn.Linear):
+            forms = {"plain": {}, **{form: FORM_ARGS[form] for form in layer.FUSED_FORMS.get(name, ())}}
+            out[name] = {form: "cublas" if mt.serves_cublas(device, tokens, module.out_features, module.in_features,
+                                                             bias=module.bias is not None, **args) else "mage-gen"
+                         for form, args in forms.items()}
+    return out
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -144,6 +165,7 @@ def bench_tokens(name: str, tokens: int) -> dict:
             subjects.append(TorchSubject(way, lambda fn=fn: fn(*args)))
         row = {"tokens": tokens, "routes": {"linear": routes.linear, "gated": routes.gated, "norm": routes.norm,
                                             "left": routes.left},
+               "products": products(ways["eager"], tokens, torch.cuda.current_device()),
                "relative_error_vs_float32": errors, "tolerance": TOLERANCE, "timings": {}, "over_best_compile": {}}
         failed = [way for way, err in errors.items() if not err <= TOLERANCE]
         if failed:

@@ -96,3 +96,23 @@ def test_a_tune_that_fails_under_tune_missing_stops_the_sweep_with_one_line(tmp_
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: 8b qkv 16x6144x4096: mage-gen tune gemm_sm90 --m 16 --n 6144 "
                                                "--k 4096 --precision bf16") and "failed (exit 2)" in err[0]
+
+
+def test_the_decoder_layer_records_who_computes_each_product_in_each_form_it_may_be_fused_in(monkeypatch):
+    asked = []
+
+    def serves_cublas(index, m, n, k, gate="none", bias=False, residual=False):
+        asked.append((index, m, n, k, gate, bias, residual))
+        return residual or n == 128  # cuBLAS: every residual form, and qkv (8 heads of 16)
+
+    monkeypatch.setattr(decoder_layer.mt, "serves_cublas", serves_cublas)
+    layer = decoder_layer.LlamaLayer(d=64, heads=4, kv_heads=2, hidden=128)
+    assert decoder_layer.products(layer, 2048, device=1) == {
+        "qkv": {"plain": "cublas"},
+        "o": {"plain": "mage-gen", "residual": "cublas"},
+        "gate_up": {"plain": "mage-gen", "gate=silu": "mage-gen"},
+        "down": {"plain": "mage-gen", "residual": "cublas"}}
+    assert (1, 2048, 256, 64, "silu", False, False) in asked and (1, 2048, 64, 128, "none", False, True) in asked
+    block = decoder_layer.Gpt2Block(d=64, heads=4)
+    assert decoder_layer.products(block, 128)["proj"] == {"plain": "mage-gen", "residual": "cublas"}
+    assert asked[-1][5] is True  # GPT-2's linears have biases
