@@ -588,8 +588,9 @@ def interleave_placed(placed: Sequence[Sequence[Subject]], method: str, rounds: 
 
 def round_order(placed: Sequence[Sequence[Subject]], r: int, alternate: bool = True) -> Sequence[Subject]:
     """The subjects of round r in the order they are timed: placement r % len(placed)'s, reversed on every other
-    pass over the placements where `alternate`. A GPU at its power limit lowers its clocks as a run goes on, so a
-    subject timed after another heavy one is slower than timed first; reversing gives each placement both orders."""
+    pass over the placements where `alternate`. A GPU at its power limit lowers its clocks as heavy work goes on, so
+    a subject timed after another heavy one can run slower than timed first (bench/NOTES.md, Hopper GEMM §16);
+    reversing gives each placement both orders."""
     group = placed[r % len(placed)]
     return group[::-1] if alternate and (r // len(placed)) % 2 else group
 
