@@ -603,12 +603,10 @@ def interleave_rounds(placed: Sequence[Sequence[Subject]], method: str, rounds: 
     names = sorted(s.name for s in placed[0])
     if any(sorted(s.name for s in group) != names for group in placed):
         raise ValueError("interleave: every placement must hold the same subjects")
-    if method != "hot":
-        return [{subject.name: subject.cold(per_round) for subject in round_order(placed, r, alternate)}
-                for r in range(rounds)]
-    launches = launches or launches_for(placed[0])
-    return [{subject.name: subject.hot(per_round, launches) for subject in round_order(placed, r, alternate)}
-            for r in range(rounds)]
+    if method == "hot":
+        launches = launches or launches_for(placed[0])
+    take = (lambda s: s.hot(per_round, launches)) if method == "hot" else (lambda s: s.cold(per_round))
+    return [{subject.name: take(subject) for subject in round_order(placed, r, alternate)} for r in range(rounds)]
 
 
 def pool_rounds(taken: Sequence[dict[str, list[float]]], method: str, placements: int
