@@ -27,8 +27,8 @@ from mage_gen.peers import TorchSubject, make_peers
 from mage_gen.timing import Timing
 from mage_gen.variants import build
 
-from bench._common import FLOOR, copy_subjects, settle
-from bench._common import METHOD as COPY_METHOD
+from bench._copy_floor import FLOOR, copy_subjects, settle
+from bench._copy_floor import METHOD as COPY_METHOD
 from bench._common import geomean, provenance, timing_method, winner_params, write_result
 
 SHAPES = [(4096, 768), (4096, 1024), (4096, 2048), (4096, 4096), (4096, 8192), (65536, 768), (32768, 4096)]
@@ -59,7 +59,7 @@ def _empty_kernel(X):
 
 
 def floor_subjects(m: int, d: int) -> list[TorchSubject]:
-    """The copies of the bytes a layer norm moves (bench/_common.py) and empty kernels on M blocks and on 4 per SM."""
+    """The copies of the bytes a layer norm moves (bench/_copy_floor.py) and empty kernels on M blocks and on 4 per SM."""
     x = torch.empty(1, device="cuda")
     blocks = 4 * gpu.open_device().sms
     return [*copy_subjects(2 * m * d * 4),

@@ -25,8 +25,8 @@ from mage_gen.peers import make_peers, on_gpu
 from mage_gen.timing import round_ratio
 from mage_gen.variants import Variant, build
 
-from bench._common import CANDIDATES as COPY_CANDIDATES
-from bench._common import FLOOR, PICK, picked_copies
+from bench._copy_floor import CANDIDATES as COPY_CANDIDATES
+from bench._copy_floor import FLOOR, PICK, picked_copies
 from bench._common import (geomean, provenance, report_contenders, stored_case, timing_method,
                            winner_params, write_result)
 

@@ -71,7 +71,6 @@ def test_the_decoder_layer_kernels_probe_refuses_a_way_it_does_not_have_before_i
     import subprocess
     import sys
 
-    pytest.importorskip("triton")  # bench/'s peers
     done = subprocess.run([sys.executable, "-m", "bench.probes.decoder_layer_kernels", "--tokens", "128", "--way",
                            "compile-reduce-overhead"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2

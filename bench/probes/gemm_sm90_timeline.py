@@ -28,6 +28,7 @@ from mage_gen.ops.gemm_sm90 import STAMP_SLOTS
 from mage_gen.store import tuned_shapes
 from mage_gen.variants import build
 
+from bench._common import parse_shape, provenance, write_result
 from bench.probes.gemm_sm90_configs import parse_config
 
 HOT_REPLAYS = 5
@@ -111,8 +112,6 @@ def show(shape_text: str, row: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    from bench._common import parse_shape, provenance, write_result  # Triton's: a GPU machine's, not the tests'
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", action="append", required=True, type=parse_shape, help="MxNxK")
     parser.add_argument("--config", action="append", default=[], help="KEY=VALUE,... of one config (repeatable); "
