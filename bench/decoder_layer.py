@@ -31,12 +31,14 @@ from mage_gen.measure import interleave_rounds, launches_for, pool_rounds
 from mage_gen.peers import TorchSubject
 from mage_gen.timing import round_ratio
 
+from bench import _power
 from bench._common import earlier_result, provenance, timing_method, write_result
 
 TOKENS = (128, 2048, 16384)
 # a round of every way costs seconds beside their compiles' minutes, and the paired interval narrows with rounds: six
 # left the patched layer's at 16384 tokens [0.862, 1.028] of the best compile's time (bench/NOTES.md, Hopper GEMM §12)
 ROUNDS, PER_ROUND = 12, 3
+SUSTAIN_ROUNDS = 4  # --sustain: five ways a round, each window about a second
 # bf16 activations rounded at every op of a layer: a few units of bf16's roundoff (2^-8) in relative norm
 TOLERANCE = 2 ** -6
 # The issue's figures: the patched, compiled layer against the best compiled mode of the same layer
@@ -155,7 +157,7 @@ def make_ways(name: str, tokens: int) -> tuple[dict, tuple, torch.Tensor, Any]:
     return ways, args, expected, routes
 
 
-def bench_tokens(name: str, tokens: int) -> dict:
+def bench_tokens(name: str, tokens: int, sustain: float = 0.0) -> dict:
     ways, args, expected, routes = make_ways(name, tokens)
     errors, subjects = {}, []
     with torch.inference_mode():
@@ -181,6 +183,9 @@ def bench_tokens(name: str, tokens: int) -> dict:
                     "best": best, "best patched": min(PATCHED, key=lambda way: pooled[way].median_us),
                     **{way: round_ratio([r[way] for r in taken], [r[best] for r in taken]).to_dict()
                        for way in ways if way != best}}
+            if sustain:
+                row["sustained"] = _power.sustained(subjects, sustain, SUSTAIN_ROUNDS, launches,
+                                                    row["over_best_compile"]["hot"]["best"], f"{name} {tokens}")
         finally:
             for subject in subjects:  # each way's graph and its memory pool, before the next token count's
                 subject.close()
@@ -210,9 +215,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, action="append", help=f"default: {', '.join(map(str, TOKENS))}")
     parser.add_argument("--keep", action="store_true", help="keep the result file's rows at the token counts this run "
                                                             "does not measure (each row is its own run's comparison)")
+    parser.add_argument("--sustain", type=float, default=0.0, metavar="SECONDS",
+                        help=f"after the rounds, {SUSTAIN_ROUNDS} rounds of each way run back to back for this long, "
+                             "with its energy per launch and clocks (NVML), against the faster compiled mode hot")
     args = parser.parse_args()
-    if any(t < 1 for t in args.tokens or ()):
-        parser.error("--tokens takes a positive count")
+    if any(t < 1 for t in args.tokens or ()) or args.sustain < 0:
+        parser.error("--tokens takes a positive count and --sustain seconds ≥ 0")
     device = gpu.open_device()
     name = f"decoder_layer_{args.model}.json"
     counts = args.tokens or TOKENS
@@ -221,7 +229,7 @@ def main() -> None:
     rows = [{"measured": earlier.get("date", "unknown"), **row} for row in earlier.get("rows", [])
             if row.get("tokens") not in counts]
     for tokens in counts:
-        rows.append({**bench_tokens(args.model, tokens), "measured": provenance(device)["date"]})
+        rows.append({**bench_tokens(args.model, tokens, args.sustain), "measured": provenance(device)["date"]})
         rows.sort(key=lambda row: row["tokens"])
         torch.cuda.empty_cache()
         doc = {"what": f"a {args.model} layer, bf16, forward, under CUDA graphs: eager, torch.compile (two modes) and "

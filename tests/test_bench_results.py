@@ -114,3 +114,47 @@ def test_the_decoder_layer_records_who_computes_each_product_in_each_form_it_may
     block = decoder_layer.Gpt2Block(d=64, heads=4)
     assert decoder_layer.products(block, 128)["proj"] == {"plain": "mage-gen", "residual": "cublas"}
     assert asked[-1][5] is True  # GPT-2's linears have biases
+
+
+class MeteredSubject:
+    """A subject whose every launch takes `us` and draws `mj` from the meter, its hot() logged in `calls`."""
+
+    def __init__(self, name: str, us: float, mj: float, meter: "CountingMeter", calls: list):
+        self.name, self.us, self.mj, self.meter, self.calls = name, us, mj, meter, calls
+
+    def hot(self, replays: int, launches: int = 20) -> list[float]:
+        self.calls.append((self.name, replays))
+        self.meter.drawn += (replays + 1) * launches * self.mj  # a warm-up replay before the timed ones
+        return [self.us * 1.1] * (replays // 4) + [self.us] * (replays - replays // 4)
+
+
+class CountingMeter:
+    drawn = 0.0
+
+    def energy_mj(self) -> float:
+        return self.drawn
+
+
+def test_sustained_windows_give_each_subject_its_energy_per_launch_and_alternate_the_order():
+    from bench import _power
+
+    meter, calls = CountingMeter(), []
+    ours = MeteredSubject("mage-gen", us=100.0, mj=3.0, meter=meter, calls=calls)
+    cublas = MeteredSubject("cublas", us=125.0, mj=2.0, meter=meter, calls=calls)
+    taken = _power.sustained_rounds([ours, cublas], rounds=2, seconds=0.1, launches=4, meter=meter)
+    timed = [name for name, replays in calls if replays != 3]  # the short replays that size the windows aside
+    assert timed == ["mage-gen", "cublas", "cublas", "mage-gen"]
+    assert [replays for name, replays in calls if replays != 3] == [250, 200, 200, 250]  # 0.1 s of 4 launches
+    table = _power.summary(taken, [("cublas", 1500, 690.0, 0x4), ("cublas", 1700, 650.0, 0)], "cublas")
+    assert table["mage-gen"]["mj_per_launch"] == pytest.approx(3.0)
+    assert table["mage-gen"]["settled_us"] == 100.0 and table["mage-gen"]["first_us"] == pytest.approx(110.0)
+    assert table["mage-gen"]["over_reference"] == pytest.approx({"settled_us": 0.8, "mj_per_launch": 1.5})
+    assert table["cublas"]["sm_mhz"] == {"median": 1600, "min": 1500, "max": 1700}
+    assert table["cublas"]["share_of_readings_power_capped"] == 0.5 and "readings" not in table["mage-gen"]
+
+
+def test_clock_reasons_name_the_bits_nvml_sets_and_keep_the_rest_as_hex():
+    from bench._power import clock_reasons
+
+    assert clock_reasons(0x4 | 0x40) == ["sw_power_cap", "hw_thermal"]
+    assert clock_reasons(0x1000 | 0x1) == ["gpu_idle", "0x1000"]

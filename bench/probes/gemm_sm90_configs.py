@@ -2,10 +2,12 @@
 
 Every config is gated (fresh inputs, poisoned output, float64 reference) before it is timed; those that pass are
 timed hot and cold in interleaved rounds with the peers, and each one's round-by-round ratio to cuBLAS is
-reported. --gate-only checks configs at a shape without timing (tails).
+reported. --gate-only checks configs at a shape without timing (tails). --sustain runs every subject back to back
+for a window of that many seconds a round as well, with the energy the GPU drew and its clocks (bench/_power.py).
 
     python -m bench.probes.gemm_sm90_configs --shape 4096x4096x4096 --config bm=128,bn=256 --config bm=128,bn=128
     python -m bench.probes.gemm_sm90_configs --shape 2048x28672x4096 --epilogue gate=silu --config bn=256,epilogue=tma
+    python -m bench.probes.gemm_sm90_configs --shape 8192x4096x4096 --config bn=256,group=8 --sustain 1
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ import time
 
 from mage_gen import gpu
 from mage_gen.errors import MageError
-from mage_gen.measure import Bench, interleave_rounds, pool_rounds
+from mage_gen.measure import Bench, interleave_rounds, launches_for, pool_rounds
 from mage_gen.ops import get_op
 from mage_gen.ops.gemm_sm90 import GemmSm90
 from mage_gen.peers import make_peers
 from mage_gen.timing import round_ratio
 from mage_gen.variants import build
+
+from bench import _power
 
 
 class ClusteredOnly(GemmSm90):
@@ -64,7 +68,13 @@ def main() -> None:
     parser.add_argument("--out", help="write the rows as JSON here")
     parser.add_argument("--clustered-only", action="store_true", help="clusters without multicast: each CTA copies "
                                                                        "its own B tile")
+    parser.add_argument("--sustain", type=float, default=0.0, metavar="SECONDS",
+                        help="after the rounds, --sustain-rounds rounds of each subject run back to back for this "
+                             "long, with its energy per launch and clocks (NVML)")
+    parser.add_argument("--sustain-rounds", type=int, default=6)
     args = parser.parse_args()
+    if args.sustain < 0 or args.sustain_rounds < 1:
+        parser.error("--sustain takes seconds ≥ 0 and --sustain-rounds a count ≥ 1")
     op = ClusteredOnly() if args.clustered_only else get_op("gemm_sm90")
     device = gpu.open_device()
     rows = []
@@ -142,6 +152,9 @@ def main() -> None:
                       f"{entry['tflops']:6.1f} TFLOP/s" + (f"  time/cuBLAS {ratio.median:.4f} [{ratio.low:.4f}, "
                                                             f"{ratio.high:.4f}] {ratio.verdict}" if ratio else ""),
                       flush=True)
+        if args.sustain:
+            rows.append({"shape": text, "sustained": _power.sustained(everyone, args.sustain, args.sustain_rounds,
+                                                                      launches_for(everyone), "cublas", text)})
         for s in everyone:
             s.close()
         if missing:
