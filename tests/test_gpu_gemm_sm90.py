@@ -239,6 +239,8 @@ def test_swapped_and_fp8_and_chained_products_match_the_float64_reference_at_tai
 EPILOGUES = [({"gate": "silu"}, {}), ({"gate": "silu"}, {"epilogue": "tma", "bn": 256}),
              ({"gate": "silu"}, {"schedule": "pingpong", "epilogue": "tma"}),
              ({"gate": "silu"}, {"bm": 64, "bn": 128, "consumers": 1, "split_k": 2, "stages": 8}),
+             ({"gate": "silu"}, {"cluster": 2, "epilogue": "tma", "bn": 256, "stages": 3}),
+             ({"gate": "silu"}, {"cluster": 2, "multicast": "a", "epilogue": "tma", "bn": 256, "stages": 3}),
              ({"gate": "silu", "precision": "e4m3"}, {"epilogue": "tma"}),
              ({"bias": True, "residual": True}, {"epilogue": "tma"}),
              ({"bias": True, "residual": True, "gate": "silu"}, {"epilogue": "tma", "bn": 256}),

@@ -525,9 +525,12 @@ _RULES: tuple[Rule, ...] = (
          lambda s, p: "swap (Cᵀ = B·Aᵀ) takes B N×K (nk), epilogue direct and cluster 1, got "
                       f"b_layout {s.b_layout}, epilogue {p.epilogue}, cluster {p.cluster}"),
     # gated, a stage's B tile is two copies of BN/2 rows, one of each half, and a thread pairs its own sums
-    Rule("gate", lambda s, p: s.gate == "none" or (not p.swap and p.cluster == 1),
-         lambda s, p: f"gate {s.gate} pairs sums a thread holds: it takes no swap and cluster 1, got "
-                      f"{'swap, ' if p.swap else ''}cluster {p.cluster}"),
+    Rule("gate", lambda s, p: s.gate == "none" or not p.swap,
+         lambda s, p: f"gate {s.gate} pairs sums a thread holds: it takes no swap"),
+    # gated in a cluster sharing B, each CTA copies bn/2/cluster rows of each half, whole 8-row groups of the swizzle
+    Rule("gate", lambda s, p: s.gate == "none" or (p.bn // 2 // _shares(p)[1]) % 8 == 0,
+         lambda s, p: f"gate {s.gate} in a cluster of {p.cluster} sharing B: each CTA copies bn/{2 * p.cluster} rows of "
+                      f"each half of B, so bn={p.bn} must be a multiple of {16 * p.cluster}"),
     Rule("shared-memory", lambda s, p: _shared_bytes(s, p) <= MAX_SHARED_BYTES,
          lambda s, p: f"{p.stages} stages of {p.bm}×{s.bk} and {p.bn}×{s.bk}"
                       + (" and the C staging tile" if epilogue(s, p) == "tma" else "")
