@@ -164,16 +164,23 @@ def geomean(values: list[float]) -> float | None:
     return math.exp(sum(map(math.log, values)) / len(values)) if values else None
 
 
+# What a row records of the order its rounds were timed in (measure.round_order), so that a row timed in the fixed
+# order of before (which favoured whatever ran first at the power limit: bench/NOTES.md, Hopper GEMM §16) is told
+# from one timed now
+ROUND_ORDER = "alternating"
+
+
 def timing_method(rounds: int, per_round: int) -> dict[str, str]:
     """How a bench's hot and cold figures were taken, from the constants that took them."""
     most, replay_ms = HOT_LAUNCHES_PER_GRAPH, HOT_REPLAY_US / 1000
+    order = "each round's order reversed on every other round (measure.round_order)"
     return {"hot": f"{most} launches per CUDA graph (fewer where {most} would last over {replay_ms:g} ms: as many as "
                    f"last {replay_ms:g} ms, at least one, by a launch of the fastest subject; the same count for every "
                    f"subject), {rounds} rounds × {per_round} replays "
-                   "interleaved with the peers, each round after L2's persisting lines were reset and one "
+                   f"interleaved with the peers, {order}, each round after L2's persisting lines were reset and one "
                    "warm-up replay, median per launch, spread = interquartile range",
             "cold": f"L2's persisting lines reset and {flush_bytes() >> 20} MB written before each launch, {rounds} "
-                    f"rounds × {per_round} launches interleaved"}
+                    f"rounds × {per_round} launches interleaved, {order}"}
 
 
 def cuda_kernels_of(call) -> list[str]:

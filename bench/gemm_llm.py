@@ -28,7 +28,8 @@ from mage_gen.measure import HOT_LAUNCHES_PER_GRAPH, hot_launches
 from mage_gen.ops import get_op
 from mage_gen.ops.gemm_sm90 import ELEMENTS
 
-from bench._common import earlier_result, geomean, product_params, provenance, timing_method, write_result
+from bench._common import (ROUND_ORDER, earlier_result, geomean, product_params, provenance, timing_method,
+                           write_result)
 from bench.gemm_sm90 import PER_ROUND, ROUNDS, bench_one
 
 TOKENS = (16, 128, 512, 2048, 8192)
@@ -101,9 +102,11 @@ def summarize(rows: list[dict], complete: bool, whole: bool, precision: str = "b
 
 
 def measured_as_now(row: dict) -> bool:
-    """Whether a row's hot figures were taken with as many launches per graph as the method takes now: a row from
-    before the count was recorded took HOT_LAUNCHES_PER_GRAPH, which is what the method still takes unless its
-    fastest subject's launch is long (measure.hot_launches)."""
+    """Whether a row was timed as the method times now: in rounds of the order it takes now (ROUND_ORDER), with as
+    many launches per graph (a row from before the count was recorded took HOT_LAUNCHES_PER_GRAPH, which is what
+    the method still takes unless its fastest subject's launch is long: measure.hot_launches)."""
+    if row.get("round_order") != ROUND_ORDER:
+        return False
     if "hot_launches_per_graph" in row:
         return True
     hot = [t["hot"]["median_us"] for t in row.get("timings", {}).values() if "hot" in t]

@@ -27,7 +27,8 @@ from mage_gen.peers import make_peers
 from mage_gen.timing import round_ratio
 from mage_gen.variants import build
 
-from bench._common import parse_shape, product_params, provenance, timing_method, winner_params, write_result
+from bench._common import (ROUND_ORDER, parse_shape, product_params, provenance, timing_method, winner_params,
+                           write_result)
 
 SHAPES = [(2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192)]
 ROUNDS, PER_ROUND = 8, 5
@@ -90,7 +91,8 @@ def bench_one(op, shape, params, chosen: str, device) -> dict:
         s.close()
     kernel.unload()
     return {**head, "census": {key: variant.census.to_dict()[key] for key in ("registers", "spill_bytes", "hopper")},
-            "gate": checked.to_dict(), "flops": flops, "hot_launches_per_graph": launches, "timings": timings,
+            "gate": checked.to_dict(), "flops": flops, "hot_launches_per_graph": launches, "round_order": ROUND_ORDER,
+            "timings": timings,
             "time_over_cublas_by_round": paired,
             "peer_configs": {p.name: p.config for p in peers}, "peers_missing": missing}
 

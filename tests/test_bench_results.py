@@ -56,6 +56,43 @@ def test_a_sweep_stopped_by_a_shape_nothing_serves_exits_2_and_keeps_the_earlier
     assert doc["summary"]["complete"] is False
 
 
+def test_resume_keeps_a_row_timed_in_the_order_the_method_takes_now_and_times_again_one_that_was_not(
+        tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    device = StandInDevice()
+    monkeypatch.setattr(gemm_llm.gpu, "open_device", lambda: device)
+    monkeypatch.setattr(gemm_llm, "provenance", lambda d: {"gpu": d.to_dict(), "date": "now"})
+    op = gemm_llm.get_op("gemm_sm90")
+
+    def stored(layer: str, n: int, k: int, **order) -> dict:
+        shape = op.shape(m=16, n=n, k=k)
+        params = op.params_from_dict(op.defaults(shape))
+        return {**measured_row(layer, 16, n, k, 0.9), "params": op.params_to_dict(params),
+                "source_hash": op.source(shape, params).source_hash, **order}
+
+    earlier = {"gpu": device.to_dict(), "precision": "bf16",
+               "shapes": [stored("qkv", 6144, 4096, round_order="alternating"), stored("o", 4096, 4096)]}
+    out = tmp_path / "bench/results/stand-in-gpu/gemm_llm.json"
+    out.parent.mkdir(parents=True)
+    out.write_text(json.dumps(earlier))
+    monkeypatch.setattr(gemm_llm, "product_params", lambda op, shape, *args: (
+        op.params_from_dict(op.defaults(shape)), "tuned"))
+    timed = []
+
+    def bench_one(op, shape, params, chosen, device):
+        timed.append((shape.n, shape.k))
+        row = measured_row("", shape.m, shape.n, shape.k, 0.8)
+        return {**{key: row[key] for key in row if key not in ("model", "layer")}, "round_order": "alternating"}
+
+    monkeypatch.setattr(gemm_llm, "bench_one", bench_one)
+    monkeypatch.setattr("sys.argv", ["gemm_llm", "--model", "8b", "--m", "16", "--resume"])
+    gemm_llm.main()
+    assert timed == [(4096, 4096), (28672, 4096), (4096, 14336)]  # o's row, from the fixed order, timed again
+    doc = json.loads(out.read_text())
+    assert [(r["layer"], r["measured"]) for r in doc["shapes"]] == [
+        ("qkv", "earlier"), ("o", "now"), ("gate_up", "now"), ("down", "now")]
+
+
 def test_the_decoder_layer_s_verdict_takes_the_patched_layer_in_its_faster_mode():
     def ratio(median: float, low: float, high: float) -> dict:
         return {"median": median, "low": low, "high": high}
