@@ -122,9 +122,6 @@ class Window:
     mj_per_launch: float  # the energy the GPU drew over the window, over the launches in it (the warm-up's too)
     watts: float  # that energy over the window's wall time
 
-    def to_dict(self) -> dict:
-        return vars(self).copy()
-
 
 def window(subject: Subject, replays: int, launches: int, meter: Meter) -> Window:
     started, before = time.perf_counter(), meter.energy_mj()

@@ -369,9 +369,9 @@ def test_the_command_line_starts_without_torch_optuna_or_triton():
 
 
 def test_the_cli_states_the_tuner_defaults_it_does_not_import():
-    from mage_gen import cli, tune
+    from mage_gen import cli_tune, tune
 
-    assert (cli.EXHAUSTIVE_LIMIT, cli.DEFAULT_TPE_TRIALS) == (tune.EXHAUSTIVE_LIMIT, tune.DEFAULT_TPE_TRIALS)
+    assert (cli_tune.EXHAUSTIVE_LIMIT, cli_tune.DEFAULT_TPE_TRIALS) == (tune.EXHAUSTIVE_LIMIT, tune.DEFAULT_TPE_TRIALS)
 
 
 @pytest.fixture

@@ -1038,7 +1038,7 @@ def test_a_tune_reports_its_own_trials_seconds_and_no_one_elses():
 
 
 def test_the_trial_seconds_line_names_each_part():
-    from mage_gen.cli import _trial_seconds_line
+    from mage_gen.cli_tune import _trial_seconds_line
     line = _trial_seconds_line({"load": 0.012, "gate": 0.31, "gate_host": 0.25, "timing": 0.12})
     assert line == "a trial, on average: load 0.01 s, gate 0.31 s (host 0.25 s), timing 0.12 s"
 
