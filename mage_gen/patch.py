@@ -24,8 +24,9 @@ Under torch.compile, an Inductor post-grad pass (Fusions) fuses what a custom op
   norms have taken the sums they normalize): the kernel adds it in its epilogue (linear(..., residual=r)).
 The gate and the add are fused only where the fused form runs mage-gen's kernel at the graph's M: where its serving
 entry's tune timed cuBLAS faster (dispatch.PEER_RULE), the custom op would run torch's gate or add after cuBLAS's
-product, unfused and out of Inductor's reach, so the product is left apart and Inductor fuses the gate or the add its
-own way, as for torch's layer. And a routed linear that its serving entry hands to cuBLAS at the graph's M is handed
+product, unfused and out of Inductor's reach, so the product is left apart and Inductor fuses the gate its own way,
+as for torch's layer; a product whose add is so left is handed back to Inductor at once (below), which folds the add
+into cuBLAS's epilogue. And a routed linear that its serving entry hands to cuBLAS at the graph's M is handed
 back to Inductor (hand_back_cublas_linears, last): the aten product torch's own layer traces to, which Inductor
 compiles as it would unpatched (an add folded into cuBLAS's epilogue, a pointwise fused after it), where the custom
 op would call cuBLAS with nothing around it fused.
@@ -309,7 +310,11 @@ _LINEAR_ARGS = (("x", None), ("weight", None), ("bias", None), ("scale_x", None)
 
 def fuse_residual_linears(graph: torch.fx.Graph) -> None:
     """add(y, r) (either order), where y is a mage_gen::linear product with no residual whose only use is the add,
-    and r a tensor of y's shape and dtype -> mage_gen::linear(..., residual=r), one kernel."""
+    and r a tensor of y's shape and dtype -> mage_gen::linear(..., residual=r), one kernel; or, where that form's
+    serving entry timed cuBLAS faster (the product asked to defer to it), y -> the aten product (_to_aten), whose add
+    Inductor folds into cuBLAS's epilogue as it does for torch's own layer. That beats our plain product followed by
+    the add as a pass of its own, whatever the plain product's entry says: the fused kernel costs at most its plain
+    product and that pass, and its tune timed it slower than cuBLAS's product and the same pass."""
     for total in list(graph.nodes):
         if not _fusable_sum(total):
             continue
@@ -317,7 +322,12 @@ def fuse_residual_linears(graph: torch.fx.Graph) -> None:
             if not (product.target is torch.ops.mage_gen.linear.default and _only_feeds([product], {total})):
                 continue
             values = _linear_values(product)
-            if values["residual"] is not None or not _kernel_runs(values, residual=True):
+            if values["residual"] is not None:
+                continue
+            if not _kernel_runs(values, residual=True):
+                if values["gate"] == "none":  # a gated product has no aten form: its add stays a pass of its own
+                    _to_aten(graph, product, values)
+                    break
                 continue
             with graph.inserting_before(total):
                 fused = graph.call_function(torch.ops.mage_gen.linear.default,
@@ -334,6 +344,18 @@ def hand_back_cublas_linears(graph: torch.fx.Graph) -> None:
     (_kernel_runs, which finds x's and weight's shapes static) -> the aten ops nn.Linear traces to: x's rows as a
     matrix (the op takes x contiguous only), mm (addmm with a bias) by weight transposed, viewed back to x's leading
     dimensions."""
+    for node in list(graph.nodes):
+        if not (node.op == "call_function" and node.target is torch.ops.mage_gen.linear.default):
+            continue
+        values = _linear_values(node)
+        if values["gate"] != "none" or values["residual"] is not None or _kernel_runs(values):
+            continue
+        _to_aten(graph, node, values)
+
+
+def _to_aten(graph: torch.fx.Graph, node: torch.fx.Node, values: dict[str, Any]) -> None:
+    """A mage_gen::linear node with no gate or residual, whose x and weight have static shapes -> the aten ops
+    nn.Linear traces to, in its place."""
     aten = torch.ops.aten
 
     def call(op: Any, *args: Any) -> torch.fx.Node:
@@ -341,22 +363,16 @@ def hand_back_cublas_linears(graph: torch.fx.Graph) -> None:
         made.meta["val"] = op(*(a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args))
         return made
 
-    for node in list(graph.nodes):
-        if not (node.op == "call_function" and node.target is torch.ops.mage_gen.linear.default):
-            continue
-        values = _linear_values(node)
-        if values["gate"] != "none" or values["residual"] is not None or _kernel_runs(values):
-            continue
-        x, weight, bias = values["x"], values["weight"], values["bias"]
-        *lead, k = x.meta["val"].shape
-        with graph.inserting_before(node):
-            rows = call(aten.view.default, x, [math.prod(lead), k])
-            transposed = call(aten.permute.default, weight, [1, 0])
-            product = (call(aten.mm.default, rows, transposed) if bias is None
-                       else call(aten.addmm.default, bias, rows, transposed))
-            out = call(aten.view.default, product, [*lead, weight.meta["val"].shape[0]])
-        node.replace_all_uses_with(out)
-        graph.erase_node(node)
+    x, weight, bias = values["x"], values["weight"], values["bias"]
+    *lead, k = x.meta["val"].shape
+    with graph.inserting_before(node):
+        rows = call(aten.view.default, x, [math.prod(lead), k])
+        transposed = call(aten.permute.default, weight, [1, 0])
+        product = (call(aten.mm.default, rows, transposed) if bias is None
+                   else call(aten.addmm.default, bias, rows, transposed))
+        out = call(aten.view.default, product, [*lead, weight.meta["val"].shape[0]])
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
 
 
 def fuse_gated_linears(graph: torch.fx.Graph) -> None:

@@ -251,7 +251,9 @@ def test_an_mlp_whose_joined_weight_is_untuned_is_left_to_its_layers_and_says_wh
 def test_a_fusion_is_left_where_cublas_serves_the_fused_form_and_asked_only_where_cublas_may_serve(monkeypatch):
     """Where the fused form's serving entry timed cuBLAS faster, linear(..., cublas_where_faster=True) would compute the
     gate or the add after cuBLAS's product as torch's own ops inside the custom op: the fusions leave the product to
-    Inductor's own gate and add instead. A product not asked to defer to cuBLAS is fused without asking."""
+    Inductor's own gate instead, and hand a product whose add is left back to Inductor as aten ops, whose add it folds
+    into cuBLAS's epilogue, though the kernel serves the plain product. A product not asked to defer to cuBLAS is
+    fused without asking."""
     asked = []
 
     def serves(index, m, n, k, gate="none", bias=False, residual=False):
@@ -264,17 +266,34 @@ def test_a_fusion_is_left_where_cublas_serves_the_fused_form_and_asked_only_wher
         gate, up = torch.ops.mage_gen.linear(x, w, None, None, None, True).chunk(2, -1)
         return torch.nn.functional.silu(gate) * up
 
+    gm = decomposed(mlp, (8, 4096), (2048, 4096), (8, 1024))
+    before = targets(gm)
+    routing.Fusions()(gm.graph)
+    assert targets(gm) == before
+    # the gated form, then (for the hand-back to Inductor) the plain product, which the kernel serves here
+    assert asked == [(8, 2048, 4096, "silu", False, False), (8, 2048, 4096, "none", False, False)]
+
     def residual(x, w, r):
         return torch.ops.mage_gen.linear(x, w, None, None, None, True) + r
 
-    for fn, w, r in ((mlp, (2048, 4096), (8, 1024)), (residual, (4096, 4096), (8, 4096))):
-        gm = decomposed(fn, (8, 4096), w, r)
-        before = targets(gm)
-        routing.Fusions()(gm.graph)
-        assert targets(gm) == before, fn.__name__
-    # each fused form, then (for the hand-back to Inductor) the plain product, which the kernel serves here
-    assert asked == [(8, 2048, 4096, "silu", False, False), (8, 2048, 4096, "none", False, False),
-                     (8, 4096, 4096, "none", False, True), (8, 4096, 4096, "none", False, False)]
+    gm = decomposed(residual, (8, 4096), (4096, 4096), (8, 4096))
+    routing.Fusions()(gm.graph)
+    gm.graph.lint()
+    gm.recompile()
+    aten = torch.ops.aten
+    assert torch.ops.mage_gen.linear.default not in targets(gm)
+    assert {aten.mm.default, aten.add.Tensor} <= set(targets(gm))
+    assert asked[2:] == [(8, 4096, 4096, "none", False, True)]  # the residual form's answer decides; the plain's unasked
+    x, w, r = (torch.randn(*shape, dtype=BF16) for shape in ((8, 4096), (4096, 4096), (8, 4096)))
+    assert torch.equal(gm(x, w, r), torch.nn.functional.linear(x, w) + r)
+
+    def gated_residual(x, w, r):  # a gated product has no aten form: it stays, its add a pass of its own
+        return torch.ops.mage_gen.linear(x, w, None, None, None, True, "silu") + r
+
+    gm = decomposed(gated_residual, (8, 4096), (2048, 4096), (8, 1024))
+    before = targets(gm)
+    routing.Fusions()(gm.graph)
+    assert targets(gm) == before and asked[-1] == (8, 2048, 4096, "silu", False, True)
 
     def unasked(x, w, r):
         return torch.ops.mage_gen.linear(x, w, None) + r
