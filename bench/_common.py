@@ -164,9 +164,9 @@ def geomean(values: list[float]) -> float | None:
     return math.exp(sum(map(math.log, values)) / len(values)) if values else None
 
 
-# What a row records of the order its rounds were timed in (measure.round_order), so that a row timed in the fixed
-# order of before (which favoured whatever ran first at the power limit: bench/NOTES.md, Hopper GEMM §16) is told
-# from one timed now
+# What a row records of the order its rounds were timed in (measure.round_order), so that a row timed in another
+# order (a fixed one favours whatever runs first at the power limit: bench/NOTES.md, Hopper GEMM §16) is told from
+# one timed as the benches time now
 ROUND_ORDER = "alternating"
 
 
