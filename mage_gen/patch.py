@@ -311,10 +311,11 @@ _LINEAR_ARGS = (("x", None), ("weight", None), ("bias", None), ("scale_x", None)
 def fuse_residual_linears(graph: torch.fx.Graph) -> None:
     """add(y, r) (either order), where y is a mage_gen::linear product with no residual whose only use is the add,
     and r a tensor of y's shape and dtype -> mage_gen::linear(..., residual=r), one kernel; or, where that form's
-    serving entry timed cuBLAS faster (the product asked to defer to it), y -> the aten product (_to_aten), whose add
-    Inductor folds into cuBLAS's epilogue as it does for torch's own layer. That beats our plain product followed by
-    the add as a pass of its own, whatever the plain product's entry says: the fused kernel costs at most its plain
-    product and that pass, and its tune timed it slower than cuBLAS's product and the same pass."""
+    serving entry hands it to cuBLAS (PEER_RULE: its tune timed cuBLAS faster, or was tuned too far from this M to
+    say; the product asked to defer to it), y -> the aten product (_to_aten), whose add Inductor folds into cuBLAS's
+    epilogue as it does for torch's own layer, whatever the plain product's entry says. Where the fused form was
+    timed, that beats our plain product followed by the add as a pass of its own: the fused kernel costs at most
+    those two, and its tune timed it slower than cuBLAS's product and the same pass."""
     for total in list(graph.nodes):
         if not _fusable_sum(total):
             continue
