@@ -169,7 +169,7 @@ def summary(taken: Sequence[dict[str, Window]], readings: Sequence[tuple[str, in
                              "max": max(r[1] for r in mine)}
             row["power_w_median"] = statistics.median(r[2] for r in mine)
             row["readings"] = len(mine)
-            row["share_of_readings_power_capped"] = sum(bool(r[3] & 0x4) for r in mine) / len(mine)
+            row["share_of_readings_power_capped"] = sum("sw_power_cap" in clock_reasons(r[3]) for r in mine) / len(mine)
         if name != reference and reference in taken[0]:
             row["over_reference"] = {
                 key: statistics.median(getattr(t[name], key) / getattr(t[reference], key) for t in taken)
@@ -191,7 +191,8 @@ def sustained(subjects: Sequence[Subject], seconds: float, rounds: int, launches
         print(f"{label} sustained {name:50} {row['first_us']:9.2f} → {row['settled_us']:9.2f} µs "
               f"{row['mj_per_launch']:8.3f} mJ {row['watts']:6.1f} W SM {row.get('sm_mhz', {}).get('median', 0):5.0f} "
               f"MHz capped {row.get('share_of_readings_power_capped', 0):.2f}"
-              + (f"  over {reference}: time {over['settled_us']:.4f} energy {over['mj_per_launch']:.4f}" if over else ""),
+              + (f"  over {reference}: time {over['settled_us']:.4f} energy {over['mj_per_launch']:.4f}"
+                 if over else ""),
               flush=True)
     return {"seconds": seconds, "rounds": rounds, "launches_per_replay": launches, "reference": reference,
             "subjects": table}
