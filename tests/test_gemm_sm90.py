@@ -657,12 +657,15 @@ def test_chains_hold_more_accumulators_and_block_scales_take_one():
                     OP.params_from_dict({"bn": 64, "chains": 2, "inflight": 0}))
 
 
-# ---- stream K: every tile's K steps dealt evenly over the grid's CTAs, a tile's pieces summed in CTA order ----
+# ---- stream K: the last tiles' K steps dealt evenly over the grid's CTAs, a tile's pieces summed in CTA order ----
 
 @pytest.mark.parametrize("shape, values", [
-    # 9 tiles of 4 steps over 5 CTAs: shares begin and end inside tiles, a tile's first piece its CTA's last
+    # 9 tiles of 4 steps, 5 whole, then 4 over 5 CTAs: shares begin and end inside tiles, a tile's first piece its
+    # CTA's last
     (dict(m=129, n=136, k=200, c_dtype="fp32"), {"grid": 5}),
     (dict(m=64, n=64, k=512, c_dtype="fp32"), {"grid": 3}),  # one tile in three pieces
+    (dict(m=129, n=136, k=200, c_dtype="fp32"), {"grid": 4}),  # a last wave of 1 tile: 4 whole, then 5
+    (dict(m=200, n=272, k=300, gate="silu"), {"bn": 128, "grid": 5, "schedule": "pingpong", "consumers": 2}),
     (dict(m=70, n=272, k=300, gate="silu", bias=True), {"bn": 128, "grid": 4, "schedule": "pingpong", "consumers": 2}),
     (dict(m=20, n=200, k=300, residual=True), {"bn": 16, "swap": True, "grid": 7, "chains": 2}),
     (dict(m=17, n=130, k=600, precision="e4m3"), {"bn": 32, "grid": 5}),
@@ -683,6 +686,30 @@ def test_stream_k_keeps_two_partial_tiles_per_cta_and_says_how_it_sums():
     params = OP.params_from_dict({**SMALL, "grid": 3, "stream_k": True})
     assert workspace_floats(shape, params) == 2 * 3 * 64 * 64 and counters(shape, params) == 3 * 3  # a counter a tile
     assert OP.contract(shape, params)["determinism"].startswith("each tile of C is the sum of its partials (the pieces")
+
+
+@pytest.mark.parametrize("shape, grid, waves", [
+    (dict(m=129, n=136, k=200), 10, 0),  # 9 tiles: under a wave, all streamed
+    (dict(m=129, n=136, k=200), 5, 1),  # 5 whole, then the last 4
+    (dict(m=129, n=136, k=200), 4, 1),  # the last wave holds 1 tile: 4 whole, then 5
+    (dict(m=129, n=136, k=200), 3, 2),  # three whole waves: the last streamed, a tile a CTA
+    (dict(m=2048, n=28672, k=4096, gate="silu"), 132, 13),  # 1792 tiles of 128×256: the last 76 streamed
+    (dict(m=2048, n=4096, k=4096), 132, 1),  # 256 tiles: the last 124
+])
+def test_stream_k_streams_the_last_partial_wave_of_tiles_or_one_and_a_half(shape, grid, waves):
+    from mage_gen.ops.gemm_sm90 import stream_waves
+
+    shape = OP.shape(**shape)
+    small = shape.m < 1024
+    values = {**SMALL, "grid": grid, "stream_k": True} if small else {"bm": 128, "bn": 256, "grid": grid,
+                                                                        "stream_k": True}
+    params = OP.params_from_dict(values)
+    tiles = OP.geometry(shape, OP.params_from_dict({**values, "stream_k": False, "grid": 0}), {}).grid[0]
+    assert stream_waves(shape, params) == waves
+    streamed = tiles - waves * grid
+    assert grid / 2 <= streamed < 1.5 * grid if tiles >= grid else streamed == tiles
+    text = (build(OP, shape, params, "sm_90").source if small else OP.source(shape, params)).text
+    assert (f"wave < {waves}" in text) == (waves > 0)
 
 
 def test_stream_k_takes_a_grid_of_single_ctas_and_no_split():

@@ -37,11 +37,14 @@ says the others' partials are stored (an acquire; they took their tickets first 
 copies, so the wait ends), sums in slice order (its own from its registers), stores C and sets both counters back
 to zero.
 
-`stream_k` deals every tile's BK steps evenly over the persistent grid's CTAs (CTA c takes steps c·I/G to
-(c+1)·I/G − 1 of all I, tile after tile), so that no CTA idles through a last, partial wave; a CTA's share may begin
-or end inside a tile. A tile taken whole is stored at once; the pieces of one taken by several CTAs are summed as
-split K's slices are, in CTA order whichever arrives last (each CTA keeps two partial tiles in the workspace: its
-first piece and its last).
+`stream_k` deals the last tiles' BK steps evenly over the persistent grid's G CTAs (CTA c takes steps c·I/G to
+(c+1)·I/G − 1 of their I, tile after tile), so that no CTA idles through a last, partial wave; a CTA's share may begin
+or end inside a tile. Before those, each CTA takes whole tiles in the data-parallel order (c, c + G, ...): all but
+the last, partial wave, or all but the last one and a half waves where that one is under half the grid
+(`stream_waves`). Streamed tiles in flight at once sit at unrelated depths of K and share no operand slice, so that
+where their operands outgrow L2 each CTA would read its own from DRAM. A tile taken whole is stored at once; the
+pieces of one taken by several CTAs are summed as split K's slices are, in CTA order whichever arrives last (each
+CTA keeps two partial tiles in the workspace: its first piece and its last).
 
 `swap` has the kernel compute Cᵀ = B·Aᵀ (`computed`): its tiles, units and guards are of that product, its first
 operand's map is B's and its second A's, and it stores Cᵀ's (row, col) at C's (col, row), so that a few tokens take
@@ -190,7 +193,8 @@ class Params:
     grid: int = 0  # CTAs of the persistent grid, at most one per tile; 0: one per tile
     split_k: int = 1  # slices of K a tile is split into, each a unit of work; their partials summed in order
     split_sum: str = "global"  # where the slices' partials meet: a workspace in global memory, or a cluster's shared
-    stream_k: bool = False  # every tile's K steps dealt evenly over the grid's CTAs, pieces summed in CTA order
+    # the K steps of the last, partial wave of tiles dealt evenly over the grid's CTAs, pieces summed in CTA order
+    stream_k: bool = False
     # the kernel computes Cᵀ = B·Aᵀ: its m64 slabs run over N and wgmma's N over M (a few tokens), C stored transposed
     swap: bool = False
     plant: str = ""  # a deliberate bug, for the tests of the gate only
@@ -297,6 +301,15 @@ def launch_cluster(p: Params) -> int:
 def stream_ctas(shape: Shape, p: Params) -> int:
     """stream_k: the CTAs the tiles' BK steps are dealt over, the grid, at most one per step."""
     return min(p.grid, int(np.prod(_units(shape, p))) * _kblocks(shape))
+
+
+def stream_waves(shape: Shape, p: Params) -> int:
+    """stream_k: the waves of tiles each CTA takes whole before its share of the rest. The rest is the last, partial
+    wave, and a whole wave more where that one is under half the grid, so that a CTA's share is half a tile to one
+    and a half and a tile's pieces few. Streamed, the tiles in flight at once sit at unrelated depths of K and share
+    no operand slice: the fewer of them, the less is read twice."""
+    units, ctas = int(np.prod(_units(shape, p))), stream_ctas(shape, p)
+    return units // ctas if 2 * (units % ctas) >= ctas else max(0, units // ctas - 1)
 
 
 def workspace_floats(shape: Shape, p: Params) -> int:
@@ -717,6 +730,7 @@ class GemmSm90(OpFamily):
         stage_bytes = (p.bm + p.bn) * ROW_BYTES
         c_stage = p.consumers * consumer_rows(p) * out_bn(shape, p) * out.itemsize if epilogue(shape, p) == "tma" else 0
         share_a = _shares(p)[0]
+        sk_ctas, sk_waves = (stream_ctas(shape, p), stream_waves(shape, p)) if p.stream_k else (0, 0)
         return dict(
             M=product.m, N=product.n, K=shape.k, BM=p.bm, BN=p.bn, BK=shape.bk, STAGES=p.stages, CONSUMERS=p.consumers,
             THREADS=p.threads, TILES_M=tiles_m, TILES_N=tiles_n, CLUSTER=p.cluster, SHARE=self.b_sharers(p),
@@ -747,9 +761,10 @@ class GemmSm90(OpFamily):
             # are the TMA store's); the flag that says which unit arrived last lies past the mbarriers
             SPLIT=p.split_k, WS_TILES_N=_workspace_tiles(shape, p)[1], WS_TILES=int(np.prod(_workspace_tiles(shape, p))),
             SLICE_FLOATS=workspace_floats(shape, p) // p.split_k, REDUCES=reduces(p),
-            # stream K: ITERS BK steps in all, dealt over SK_CTAS CTAs
-            STREAM_K=p.stream_k, ITERS=int(np.prod(_units(shape, p))) * _kblocks(shape),
-            SK_CTAS=stream_ctas(shape, p) if p.stream_k else 0, PART_THREADS=128 if p.schedule == "pingpong" else 128 * p.consumers,
+            # stream K: SK_WAVES waves of SK_CTAS whole tiles, then the ITERS BK steps of the other tiles dealt over
+            # the SK_CTAS CTAs
+            STREAM_K=p.stream_k, SK_CTAS=sk_ctas, SK_WAVES=sk_waves, SK_WHOLE=sk_waves * sk_ctas,
+            ITERS=(int(np.prod(_units(shape, p))) - sk_waves * sk_ctas) * _kblocks(shape), PART_THREADS=128 if p.schedule == "pingpong" else 128 * p.consumers,
             SPLIT_BARRIER="3 + consumer" if p.schedule == "pingpong" else "3",
             SPLIT_FLAG_AT=p.stages * stage_bytes + c_stage + 16 * p.stages + (16 if p.schedule == "pingpong" else 0),
             STAMPS=p.stamps, STAMP_CTAS=STAMP_CTAS, STAMP_SLOTS=STAMP_SLOTS, EARLY_COPIES=p.early_copies,
