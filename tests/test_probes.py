@@ -67,6 +67,33 @@ def test_the_timeline_probe_turns_each_cta_s_clocks_into_spans_at_the_global_tim
     assert phases(stamps, 0) == {"ctas_with_units": 0}
 
 
+@pytest.mark.parametrize("tiles, kblocks, ctas, waves", [(9, 4, 5, 1), (9, 4, 4, 1), (7, 3, 10, 0), (1792, 64, 132, 13)])
+def test_the_l2_model_deals_every_step_of_every_tile_once_in_each_order(tiles, kblocks, ctas, waves):
+    from bench.probes.gemm_sm90_l2_model import data_parallel, schedules
+
+    every = sorted((t, kb) for t in range(tiles) for kb in range(kblocks))
+    for steps in (data_parallel(tiles, kblocks, ctas), schedules(tiles, kblocks, ctas, 0),
+                  schedules(tiles, kblocks, ctas, waves)):
+        assert len(steps) == ctas and sorted(s for cta in steps for s in cta) == every
+    assert max(map(len, schedules(tiles, kblocks, ctas, waves))) == -(-tiles * kblocks // ctas)
+
+
+def test_the_l2_model_reads_a_slice_once_where_l2_holds_them_all_and_again_where_stream_k_scatters_k():
+    """bench/probes/gemm_sm90_l2_model.py at the gated gate_up of 2048 tokens: 1792 tiles of 128×256 on 132 CTAs."""
+    from bench.probes.gemm_sm90_l2_model import ORDERS, model
+    from mage_gen.ops import get_op
+
+    op = get_op("gemm_sm90")
+    shape = op.shape(m=2048, n=28672, k=4096, gate="silu")
+    params = op.params_from_dict({"bm": 128, "bn": 256, "grid": 132, "group": 16, "stream_k": True})
+    everything = model(shape, params, 1 << 40)
+    assert [everything["orders"][o]["dram_over_operands"] for o in ORDERS] == [1.0, 1.0, 1.0]
+    dp, every_tile, last_wave = (model(shape, params, 50 << 20)["orders"][o] for o in ORDERS)
+    assert dp["dram_over_operands"] < 1.01 and every_tile["dram_over_operands"] > 10
+    assert last_wave["dram_over_operands"] < 1.01
+    assert (dp["steps_of_slowest_cta"], last_wave["steps_of_slowest_cta"]) == (14 * 64, 869)
+
+
 def test_the_decoder_layer_kernels_probe_refuses_a_way_it_does_not_have_before_it_opens_a_gpu():
     import subprocess
     import sys
