@@ -665,6 +665,7 @@ def test_chains_hold_more_accumulators_and_block_scales_take_one():
     (dict(m=129, n=136, k=200, c_dtype="fp32"), {"grid": 5}),
     (dict(m=64, n=64, k=512, c_dtype="fp32"), {"grid": 3}),  # one tile in three pieces
     (dict(m=129, n=136, k=200, c_dtype="fp32"), {"grid": 4}),  # a last wave of 1 tile: 4 whole, then 5
+    (dict(m=129, n=136, k=200, c_dtype="fp32"), {"bn": 48, "grid": 4}),  # 6 chunks a thread, read back 3 at a time
     (dict(m=200, n=272, k=300, gate="silu"), {"bn": 128, "grid": 5, "schedule": "pingpong", "consumers": 2}),
     (dict(m=70, n=272, k=300, gate="silu", bias=True), {"bn": 128, "grid": 4, "schedule": "pingpong", "consumers": 2}),
     (dict(m=20, n=200, k=300, residual=True), {"bn": 16, "swap": True, "grid": 7, "chains": 2}),

@@ -764,7 +764,11 @@ class GemmSm90(OpFamily):
             # stream K: SK_WAVES waves of SK_CTAS whole tiles, then the ITERS BK steps of the other tiles dealt over
             # the SK_CTAS CTAs
             STREAM_K=p.stream_k, SK_CTAS=sk_ctas, SK_WAVES=sk_waves, SK_WHOLE=sk_waves * sk_ctas,
-            ITERS=(int(np.prod(_units(shape, p))) - sk_waves * sk_ctas) * _kblocks(shape), PART_THREADS=128 if p.schedule == "pingpong" else 128 * p.consumers,
+            # the float4 chunks of a thread's partial read back from each piece at once: at most 4 (16 registers
+            # beside the accumulators), a divisor of the thread's ACC / 4
+            SK_RUN=max(d for d in range(1, 5) if p.bn // 8 % d == 0),
+            ITERS=(int(np.prod(_units(shape, p))) - sk_waves * sk_ctas) * _kblocks(shape),
+            PART_THREADS=128 if p.schedule == "pingpong" else 128 * p.consumers,
             SPLIT_BARRIER="3 + consumer" if p.schedule == "pingpong" else "3",
             SPLIT_FLAG_AT=p.stages * stage_bytes + c_stage + 16 * p.stages + (16 if p.schedule == "pingpong" else 0),
             STAMPS=p.stamps, STAMP_CTAS=STAMP_CTAS, STAMP_SLOTS=STAMP_SLOTS, EARLY_COPIES=p.early_copies,
