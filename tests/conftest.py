@@ -97,3 +97,30 @@ def stream(device):
     from mage_gen import gpu
 
     return gpu.Stream()
+
+
+# ---- the recording the tuner's tests replay (tests/replayed.py) ----
+
+@pytest.fixture(scope="session")
+def recording_path():
+    from replayed import RECORD_COMMAND, RECORDING
+
+    if not RECORDING.is_file():
+        pytest.fail(f"{RECORDING} is missing: these tests replay timings recorded on an H200. Record it there "
+                    f"with `{RECORD_COMMAND}` and commit it.", pytrace=False)
+    return RECORDING
+
+
+@pytest.fixture(scope="session")
+def recording_doc(recording_path) -> dict:
+    import json
+
+    return json.loads(recording_path.read_text())
+
+
+@pytest.fixture
+def recording(recording_doc) -> dict:
+    """A private copy of the recording, free to modify into a derived one."""
+    import copy
+
+    return copy.deepcopy(recording_doc)
