@@ -731,6 +731,7 @@ class GemmSm90(OpFamily):
         c_stage = p.consumers * consumer_rows(p) * out_bn(shape, p) * out.itemsize if epilogue(shape, p) == "tma" else 0
         share_a = _shares(p)[0]
         sk_ctas, sk_waves = (stream_ctas(shape, p), stream_waves(shape, p)) if p.stream_k else (0, 0)
+        acc = p.bn // 2  # a thread's accumulator floats of a 64-row slab
         return dict(
             M=product.m, N=product.n, K=shape.k, BM=p.bm, BN=p.bn, BK=shape.bk, STAGES=p.stages, CONSUMERS=p.consumers,
             THREADS=p.threads, TILES_M=tiles_m, TILES_N=tiles_n, CLUSTER=p.cluster, SHARE=self.b_sharers(p),
@@ -740,7 +741,7 @@ class GemmSm90(OpFamily):
             UNITS=units_m * units_n, KBLOCKS=_kblocks(shape),
             HILBERT=[r << 16 | c for r, c in hilbert_order(units_m, units_n)] if p.order == "hilbert" else [],
             ORDER_TABLE_IN_CONSTANT=units_m * units_n <= CONSTANT_ORDER_TABLE,
-            KSTEPS=ROW_BYTES // KSTEP_BYTES, KSTEP_BYTES=KSTEP_BYTES, MI=consumer_rows(p) // 64, ACC=p.bn // 2,
+            KSTEPS=ROW_BYTES // KSTEP_BYTES, KSTEP_BYTES=KSTEP_BYTES, MI=consumer_rows(p) // 64, ACC=acc,
             A_BYTES=p.bm * ROW_BYTES, B_BYTES=p.bn * ROW_BYTES, STAGE_BYTES=stage_bytes,
             CONSUMER_A_BYTES=consumer_rows(p) * ROW_BYTES, B_KN=shape.b_layout == "kn", B_BOXES=p.bn // 64,
             B_LBO=shape.bk * 128,  # a K×N B tile: from one box of 64 columns to the next
@@ -766,8 +767,8 @@ class GemmSm90(OpFamily):
             STREAM_K=p.stream_k, SK_CTAS=sk_ctas, SK_WAVES=sk_waves, SK_WHOLE=sk_waves * sk_ctas,
             # the float4 chunks of a thread's partial read back from each piece at once: at most 4 (16 registers
             # beside the accumulators), a divisor of the thread's ACC / 4
-            SK_RUN=max(d for d in range(1, 5) if p.bn // 8 % d == 0),
-            ITERS=(int(np.prod(_units(shape, p))) - sk_waves * sk_ctas) * _kblocks(shape),
+            SK_RUN=max(d for d in range(1, 5) if acc // 4 % d == 0),
+            ITERS=(units_m * units_n - sk_waves * sk_ctas) * _kblocks(shape),
             PART_THREADS=128 if p.schedule == "pingpong" else 128 * p.consumers,
             SPLIT_BARRIER="3 + consumer" if p.schedule == "pingpong" else "3",
             SPLIT_FLAG_AT=p.stages * stage_bytes + c_stage + 16 * p.stages + (16 if p.schedule == "pingpong" else 0),
