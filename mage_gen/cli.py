@@ -563,6 +563,8 @@ def main() -> None:
         sys.exit(2)
     except (KeyboardInterrupt, *aborts):
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # one answer to an interrupt; another must not cut it short
-        err.print("mage-gen: interrupted", markup=False)
+        # past rich: an interrupt raised in err.print after its line was written, before rich cleared its buffer,
+        # leaves the line there, and err's next print would write it again
+        sys.stderr.write("mage-gen: interrupted\n")
         sys.exit(130)
     sys.exit(code if isinstance(code, int) else 0)

@@ -363,6 +363,38 @@ def test_a_ctrl_c_while_the_workers_compile_is_raised_between_their_results_and_
     assert taken == [40, 39, 38, 37]  # the rest of the chunk it came in, and not one result more
 
 
+def test_an_interrupt_that_lands_inside_a_progress_line_leaves_it_written_once(monkeypatch):
+    import io
+    import signal
+
+    from rich.console import Console
+
+    from mage_gen import cli
+
+    class Stderr(io.StringIO):
+        interrupts = 1
+
+        def flush(self) -> None:  # Ctrl-C lands after rich wrote its line, before it cleared its buffer
+            super().flush()
+            if self.interrupts:
+                self.interrupts -= 1
+                raise KeyboardInterrupt
+
+    stderr = Stderr()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    monkeypatch.setattr(cli, "err", Console(stderr=True))  # its buffer keeps the line, as the process it stands for
+    monkeypatch.setattr(cli, "app", lambda **_: cli._log("compiling 4 variants"))
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as done:
+            cli.main()
+    finally:
+        signal.signal(signal.SIGINT, handlers[0])
+        signal.signal(signal.SIGTERM, handlers[1])
+    assert done.value.code == 130
+    assert stderr.getvalue() == "compiling 4 variants\nmage-gen: interrupted\n"
+
+
 def test_a_whole_number_with_a_zero_fraction_is_taken_alike_in_sizes_and_config():
     sizes = mage_gen("inspect", "layernorm", "--d", "768.0", "--json")
     config = mage_gen("inspect", "layernorm", "--d", "768", "--config", "threads=128.0", "--json")
