@@ -24,8 +24,8 @@ from mage_gen.errors import MageError, NoGpuError
 from mage_gen.ops import Op, get_op
 from mage_gen.ops.base import shape_dict
 from mage_gen.space import load_space, valid_params
-from mage_gen.store import (check_can_save, entry_key, save_entry, shape_entries, stored_axes, stored_params,
-                            tuned_shapes)
+from mage_gen.store import (check_can_save, entry_key, other_gpus_params, save_entry, shape_entries, stored_axes,
+                            stored_params, tuned_shapes)
 from mage_gen.timing import OBJECTIVES, Timing, by_objective
 
 # What only `tune` needs (Optuna, the measuring worker, and through the final round torch and Triton) is
@@ -333,8 +333,8 @@ def _starting_points(op: Op, shape: Any, run: dict[str, int], space: Any, gpu_na
                      store: bool) -> tuple[Any, list[str], list[tuple[Any, Any]], list[str]]:
     """What a size class's search measures first: (its stored winner, or with none the winner of the class that
     serves its shape now; the axes a stored winner predates; the winner of the class that would serve the shape
-    without its own entry, where a stored winner is first, then the nearest tuned shapes and their winners
-    (dispatch.SEED_RULE); and the lines that say so)."""
+    without its own entry, where a stored winner is first, then this size class's winners on other GPUs, then the
+    nearest tuned shapes and their winners (dispatch.SEED_RULE); and the lines that say so)."""
     if not store:
         return None, [], [], []
     incumbent = stored_params(op, shape, run, gpu_name, tuned)
@@ -360,11 +360,19 @@ def _starting_points(op: Op, shape: Any, run: dict[str, int], space: Any, gpu_na
         incumbent = served[1]
         notes.append(f"  the winner of the size class that serves this shape now, {shape_dict(served[0])}, is measured "
                      "first where the preset holds it, and re-timed in the final round")
+    elsewhere = {}  # params -> the GPUs whose winner of this size class they are
+    for gpu, params in other_gpus_params(op, shape, run, gpu_name, tuned):
+        if params != incumbent and all(params != p for _, p in seeds):
+            elsewhere.setdefault(params, []).append(gpu)
+    if elsewhere:
+        notes.append(f"  {'then' if incumbent is not None else 'first'}, where the preset holds it, this size class's "
+                     "winner on " + "; ".join(", ".join(gpus) for gpus in elsewhere.values()))
+        seeds += [(shape, params) for params in elsewhere]
     nearest = [(other, params) for other, params in dispatch.neighbours(op, shape, others, SEEDS + 2)
                if params != incumbent and all(params != p for _, p in seeds)][:SEEDS]
     if nearest:
-        notes.append(f"  {'then' if incumbent is not None else 'first'}, where the preset holds them, the winners of "
-                     "the nearest tuned shapes: " + "; ".join(str(shape_dict(other)) for other, _ in nearest))
+        notes.append(f"  {'then' if incumbent is not None or elsewhere else 'first'}, where the preset holds them, the "
+                     "winners of the nearest tuned shapes: " + "; ".join(str(shape_dict(other)) for other, _ in nearest))
     return incumbent, unrecorded, seeds + nearest, notes
 
 

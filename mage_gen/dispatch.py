@@ -36,10 +36,10 @@ PEER_RULE = ("mage_gen.torch.linear asked with cublas_where_faster=True (as a pa
 # H200's classes at 16, 128, 512, 2048 and 8192 tokens each speak for every M between them.
 PEER_REACH = 4
 SEED_RULE = ("a size class's search measures first its stored winner (with none, the winner of the class that "
-             "serves its shape by CLASS_RULE), then the winners of the tuned shapes nearest to "
-             "it on a log scale over every size, whatever their types and epilogue (at one distance, those that "
-             "differ from it in the fewest of those fields first), each whose params are valid for it and lie in "
-             "the preset")
+             "serves its shape by CLASS_RULE), then its winners on other GPUs, then the winners of the tuned shapes "
+             "nearest to it on a log scale over every size, whatever their types and epilogue (at one distance, those "
+             "that differ from it in the fewest of those fields first), each whose params are valid for it and lie "
+             "in the preset")
 # --m auto: the L2-resident size fills at most this share of the L2, the DRAM-bound one at least this many L2s,
 # so that neither sits near the boundary where hot and cold timings blur.
 AUTO_L2_SHARE = 0.5

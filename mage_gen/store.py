@@ -210,6 +210,25 @@ def stored_params(op: Op, shape: Any, run: dict[str, int], gpu_name: str, direct
         return None
 
 
+def other_gpus_params(op: Op, shape: Any, run: dict[str, int], gpu_name: str,
+                      directory: Path | None = None) -> list[tuple[str, Any]]:
+    """This size class's stored winner on every other GPU of the folder (its folder name, its params), where this
+    mage-gen can build them; a store it cannot read is passed over (it seeds a search, nothing more)."""
+    root = directory or tuned_dir()
+    own = gpu_slug(gpu_name)
+    found = []
+    for path in sorted(root.glob(f"*/{op.name}.json")):
+        if path.parent.name == own:
+            continue
+        try:
+            entry = _read(path, op.name)["entries"].get(entry_key(op, shape, run))
+            if entry:
+                found.append((path.parent.name, op.params_from_dict(entry["params"])))
+        except (StoreError, ConfigError, KeyError, TypeError):
+            continue
+    return found
+
+
 def stored_axes(op: Op, shape: Any, run: dict[str, int], gpu_name: str, directory: Path | None = None) -> set[str]:
     """The params this size class's stored winner names: an entry tuned before an axis existed lacks it."""
     entry = _class_entry(op, shape, run, gpu_name, directory)

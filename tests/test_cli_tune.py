@@ -114,6 +114,32 @@ def test_cli_tune_of_an_untuned_shape_measures_the_nearest_tuned_shape_s_winner_
     assert [t.user_attrs["kernel"] for t in trials[:2]] == [entry["kernel"], OP.kernel_name(SHAPE, other)]
 
 
+def test_cli_tune_of_a_size_class_untuned_here_measures_its_winner_on_another_gpu_first(recording_path, recording,
+                                                                                       tmp_path):
+    env, common = first_cli_tune(recording_path, tmp_path)
+    # d = 768 is tuned on another GPU only, with a config the first study did not pick; a store no one can read
+    # beside it is passed over
+    path = tmp_path / "tuned" / "h200" / "layernorm.json"
+    doc = json.loads(path.read_text())
+    entry = doc["entries"].pop("d=768/float32/m=4096")
+    path.write_text(json.dumps(doc))
+    recorded = by_kernel(recording)
+    measured = [p for p in expand(OP, SHAPE, QUICK)[0]
+                if OP.kernel_name(SHAPE, p) in recorded and hot_median(recording, OP.kernel_name(SHAPE, p)) is not None]
+    other = next(p for p in reversed(measured) if OP.kernel_name(SHAPE, p) != entry["kernel"])
+    elsewhere = tmp_path / "tuned" / "rtx-4090" / "layernorm.json"
+    elsewhere.parent.mkdir()
+    elsewhere.write_text(json.dumps({**doc, "entries": {"d=768/float32/m=4096": {**entry,
+                                                                                 "params": OP.params_to_dict(other)}}}))
+    (tmp_path / "tuned" / "a100").mkdir()
+    (tmp_path / "tuned" / "a100" / "layernorm.json").write_text("{not json")
+    second = mage_gen(*common, "--seed", "4", "--study", "second", env=env, cwd=tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert "first, where the preset holds it, this size class's winner on rtx-4090" in " ".join(second.stderr.split())
+    study = optuna.load_study(study_name="second", storage=sqlite(tmp_path))
+    assert study.trials[0].user_attrs["kernel"] == OP.kernel_name(SHAPE, other)
+
+
 def test_a_replay_writes_no_tuned_entry_study_or_kernel_unless_given_paths(recording_path, tmp_path):
     # The defaults are the folders a real tune on the GPU writes and resumes: a replay leaves them alone.
     env = {**os.environ, "MAGE_GEN_TUNED": str(tmp_path / "tuned"), "XDG_DATA_HOME": str(tmp_path / "data")}
