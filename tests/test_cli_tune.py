@@ -72,6 +72,14 @@ def first_cli_tune(recording_path, tmp_path) -> tuple[dict, list[str]]:
     return env, common
 
 
+def take_d768_out(tmp_path) -> tuple[Path, dict, dict]:
+    """first_cli_tune's H200 store with d = 768's entry taken out, not yet written back: (its path, the rest of it,
+    the entry)."""
+    path = tmp_path / "tuned" / "h200" / "layernorm.json"
+    doc = json.loads(path.read_text())
+    return path, doc, doc["entries"].pop("d=768/float32/m=4096")
+
+
 def test_cli_retune_measures_the_stored_winner_first(recording_path, tmp_path):
     env, common = first_cli_tune(recording_path, tmp_path)
     stored = json.loads((tmp_path / "tuned" / "h200" / "layernorm.json").read_text())["entries"]["d=768/float32/m=4096"]
@@ -86,9 +94,7 @@ def test_cli_tune_of_an_untuned_shape_measures_the_nearest_tuned_shape_s_winner_
                                                                                     tmp_path):
     env, common = first_cli_tune(recording_path, tmp_path)
     # the winner moved to d = 1024: d = 768 is untuned again, with a neighbour whose params it can take
-    path = tmp_path / "tuned" / "h200" / "layernorm.json"
-    doc = json.loads(path.read_text())
-    entry = doc["entries"].pop("d=768/float32/m=4096")
+    path, doc, entry = take_d768_out(tmp_path)
     doc["entries"]["d=1024/float32/m=4096"] = {**entry, "shape": {**entry["shape"], "d": 1024}}
     path.write_text(json.dumps(doc))
     second = mage_gen(*common, "--seed", "4", "--study", "second", env=env, cwd=tmp_path)
@@ -119,9 +125,7 @@ def test_cli_tune_of_a_size_class_untuned_here_measures_its_winner_on_another_gp
     env, common = first_cli_tune(recording_path, tmp_path)
     # d = 768 is tuned on another GPU only, with a config the first study did not pick; a store no one can read
     # beside it is passed over
-    path = tmp_path / "tuned" / "h200" / "layernorm.json"
-    doc = json.loads(path.read_text())
-    entry = doc["entries"].pop("d=768/float32/m=4096")
+    path, doc, entry = take_d768_out(tmp_path)
     path.write_text(json.dumps(doc))
     recorded = by_kernel(recording)
     measured = [p for p in expand(OP, SHAPE, QUICK)[0]
