@@ -78,7 +78,8 @@ def load_space(op: Op, preset: str | None = None, shape: Any = None, sms: int | 
     fitted = {k: tuple(v for v in values if v != WAVES) for k, values in fitted.items()}  # unresolved: left out
     if shape is not None:
         fitted = op.fit_space(shape, fitted)
-    return Space(op=op.name, preset=preset, axes=tuple(fitted.items()), first=_first(path, spec), needs_sms=needs_sms)
+    return Space(op=op.name, preset=preset, axes=tuple(fitted.items()), first=_first(path, spec, sms),
+                 needs_sms=needs_sms)
 
 
 def _narrowed(presets: dict[str, Any], preset: str, spec_name: str) -> dict[str, Any]:
@@ -117,9 +118,10 @@ def _on_device(values: list[Any], sms: int | None) -> tuple[Any, ...]:
     return tuple(int(m[1]) * sms if m else v for v, m in per_sm if not m or sms is not None)
 
 
-def _first(path: Path, spec: dict[str, Any]) -> tuple[tuple[tuple[str, Any], ...], ...]:
+def _first(path: Path, spec: dict[str, Any], sms: int | None) -> tuple[tuple[tuple[str, Any], ...], ...]:
     """[first] of the spec: lists of axis values, every combination of them one config; [[first]], several such
-    tables (one peer's shape each), their configs in the order written."""
+    tables (one peer's shape each), their configs in the order written. A value given per SM is sized for sms, and
+    without it the configs that name one are left out, as the axes leave such values out."""
     tables = spec.get("first", {})
     configs: list[tuple[tuple[str, Any], ...]] = []
     for table in tables if isinstance(tables, list) else [tables]:
@@ -130,6 +132,7 @@ def _first(path: Path, spec: dict[str, Any]) -> tuple[tuple[tuple[str, Any], ...
         if any(not isinstance(values, list) or not values for _, values in lists):
             raise ConfigError(f"space: each axis of [first] in {path.name} takes a non-empty list of values")
         names = [name for name, _ in lists]
+        lists = [(name, _on_device(values, sms)) for name, values in lists]
         configs += [tuple(zip(names, values)) for values in itertools.product(*(v for _, v in lists))]
     return tuple(dict.fromkeys(configs))
 

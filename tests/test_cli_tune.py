@@ -248,7 +248,8 @@ def test_a_new_gemm_size_class_keeps_the_winner_that_served_its_shape_unless_bea
     env = {**os.environ, "MAGE_GEN_TUNED": str(tmp_path / "tuned")}
     common = ("--n", "64", "--k", "64", "--replay", str(recording), "--trials", "6", "--storage", sqlite(tmp_path),
               "--tuned", str(tmp_path / "tuned"), "-o", str(tmp_path / "k"))
-    record(16, lambda params: 20.0)
+    # at M = 16 a config of one consumer wins (255 registers a thread, where two consumers hold 168)
+    record(16, lambda params: 19.0 if params.consumers == 1 else 20.0)
     assert mage_gen("tune", "gemm_sm90", "--m", "16", *common, env=env, cwd=tmp_path).returncode == 0
     stored = tmp_path / "tuned" / "h200" / "gemm_sm90.json"
     served = gemm.params_from_dict(json.loads(stored.read_text())["entries"]["m=16,n=64,k=64/bf16/nk/bf16"]["params"])

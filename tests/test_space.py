@@ -36,6 +36,19 @@ def test_a_grid_given_per_sm_is_sized_for_the_gpu_the_space_is_loaded_for():
     assert not load_space(get_op("matmul"), "quick").needs_sms  # no value of it is given per SM
 
 
+def test_the_gemm_spaces_start_from_whole_128_row_tiles_on_one_cta_per_sm_of_the_gpu():
+    op = get_op("gemm_sm90")
+    shape = op.shape(m=512, n=6144, k=4096)
+    space = load_space(op, "mid", shape, sms=132)
+    first = [op.params_from_dict(dict(values)) for values in space.first]
+    assert [(p.bm, p.bn, p.stages, p.epilogue, p.grid) for p in first] == [
+        (128, 192, 4, "tma", 132), (128, 128, 5, "tma", 132), (128, 256, 3, "tma", 132)]
+    assert set(first) <= set(expand(op, shape, space, "sm_90a")[0])
+    on_100 = load_space(op, "mid", shape, sms=100).first
+    assert [p.grid for p in (op.params_from_dict(dict(values)) for values in on_100)] == [100] * 3
+    assert load_space(op, "mid", shape).first == ()  # no GPU named: no grid to size, as the axes leave it out
+
+
 def test_a_first_table_naming_an_unknown_axis_is_a_one_line_error(tmp_path, monkeypatch):
     spec = (Path(__file__).parents[1] / "search" / "rmsnorm.toml").read_text()
     (tmp_path / "search").mkdir()
