@@ -215,17 +215,13 @@ def other_gpus_params(op: Op, shape: Any, run: dict[str, int], gpu_name: str,
     """This size class's stored winner on every other GPU of the folder (its folder name, its params), where this
     mage-gen can build them; a store it cannot read is passed over (it seeds a search, nothing more)."""
     root = directory or tuned_dir()
-    own = gpu_slug(gpu_name)
     found = []
-    for path in sorted(root.glob(f"*/{op.name}.json")):
-        if path.parent.name == own:
+    for folder in sorted(path.parent.name for path in root.glob(f"*/{op.name}.json")):
+        if folder == gpu_slug(gpu_name):
             continue
-        try:
-            entry = _read(path, op.name)["entries"].get(entry_key(op, shape, run))
-            if entry:
-                found.append((path.parent.name, op.params_from_dict(entry["params"])))
-        except (StoreError, ConfigError, KeyError, TypeError):
-            continue
+        with contextlib.suppress(StoreError):  # a folder's name is its GPU's slug, and a slug names itself
+            if (params := stored_params(op, shape, run, folder, root)) is not None:
+                found.append((folder, params))
     return found
 
 

@@ -128,9 +128,8 @@ def test_cli_tune_of_a_size_class_untuned_here_measures_its_winner_on_another_gp
     path, doc, entry = take_d768_out(tmp_path)
     path.write_text(json.dumps(doc))
     recorded = by_kernel(recording)
-    measured = [p for p in expand(OP, SHAPE, QUICK)[0]
-                if OP.kernel_name(SHAPE, p) in recorded and hot_median(recording, OP.kernel_name(SHAPE, p)) is not None]
-    other = next(p for p in reversed(measured) if OP.kernel_name(SHAPE, p) != entry["kernel"])
+    other = next(p for p in reversed(expand(OP, SHAPE, QUICK)[0])
+                 if (name := OP.kernel_name(SHAPE, p)) != entry["kernel"] and name in recorded and recorded[name]["hot"])
     elsewhere = tmp_path / "tuned" / "rtx-4090" / "layernorm.json"
     elsewhere.parent.mkdir()
     elsewhere.write_text(json.dumps({**doc, "entries": {"d=768/float32/m=4096": {**entry,
